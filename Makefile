@@ -1,0 +1,34 @@
+# plait: `make demo` runs the main job, `make test` runs every test. Both set up first.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+export OMPI_MCA_mpi_yield_when_idle := 1
+export PYTHONUNBUFFERED := 1
+
+.PHONY: setup test lint typecheck unit demo bench info clean
+
+setup:
+	@bash tools/setup.sh
+
+lint: setup
+	$(PY) -m ruff check src collectives adapters tests examples benchmarks tools
+
+typecheck: setup
+	$(PY) -m mypy
+
+test: setup lint typecheck
+	$(PY) -m pytest tests -q
+
+demo: setup
+	$(PY) -m plait.cli run -np 2 -- $(PY) examples/demo.py
+
+bench: setup
+	$(PY) benchmarks/run_all.py
+
+info: setup
+	$(PY) -m plait.cli info
+
+clean:
+	rm -rf $(VENV) build *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,119 @@
+"""numpy adapter: host arrays, the lingua franca of the MPI backend."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = ["OPS", "NumpyOps", "bf16_to_f32", "f32_to_bf16"]
+
+
+def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
+    """Widen bfloat16 values, given as their uint16 bit patterns, to float32."""
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def f32_to_bf16(x: np.ndarray) -> np.ndarray:
+    """Round float32 to bfloat16 (nearest even), returned as uint16 bit patterns."""
+    u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32)
+    rounded = u + (np.uint32(0x7FFF) + ((u >> 16) & np.uint32(1)))
+    out = (rounded >> 16).astype(np.uint16)
+    nan = np.isnan(x)
+    if nan.any():
+        out[nan] = 0x7FC0
+    return out
+
+
+def _dtype_name(dt: np.dtype) -> str:
+    if dt.name == "bfloat16":
+        return "bfloat16"
+    if dt == np.bool_:
+        return "bool"
+    return str(dt.name)
+
+
+class NumpyOps:
+    """:class:`~plait.protocols.TensorOps` for numpy arrays (bfloat16 via ml_dtypes)."""
+
+    framework = "numpy"
+
+    def owns(self, x: Any) -> bool:
+        return isinstance(x, np.ndarray)
+
+    def dtype_name(self, x: Any) -> str:
+        return _dtype_name(np.asarray(x).dtype)
+
+    def shape(self, x: Any) -> tuple[int, ...]:
+        return tuple(int(d) for d in np.shape(x))
+
+    def is_symbolic(self, x: Any) -> bool:
+        return False
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        a = np.ascontiguousarray(x)
+        return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+
+    def from_numpy(self, a: np.ndarray, like: Any) -> np.ndarray:
+        if np.asarray(like).dtype.name == "bfloat16" and a.dtype == np.uint16:
+            return a.view(np.asarray(like).dtype)
+        return a
+
+    def host_call(
+        self, fn: Callable[..., Any], inputs: Sequence[Any], like: Any, same_shape: bool = True
+    ) -> Any:
+        return fn(*inputs)
+
+    # -- math -----------------------------------------------------------------
+    def cast(self, x: Any, dtype: str) -> np.ndarray:
+        if dtype == "bfloat16":
+            import ml_dtypes
+
+            return np.asarray(x).astype(ml_dtypes.bfloat16)
+        return np.asarray(x).astype(dtype)
+
+    def reshape(self, x: Any, shape: Sequence[int]) -> np.ndarray:
+        return np.reshape(x, tuple(shape))
+
+    def zeros(self, shape: Sequence[int], dtype: str, like: Any) -> np.ndarray:
+        return self.cast(np.zeros(tuple(shape)), dtype)
+
+    def abs(self, x: Any) -> np.ndarray:
+        return np.abs(x)
+
+    def sign(self, x: Any) -> np.ndarray:
+        return np.sign(x)
+
+    def norm(self, x: Any) -> np.ndarray:
+        return np.asarray(np.linalg.norm(np.asarray(x, dtype=np.float64).ravel()), dtype=x.dtype)
+
+    def topk(self, x: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+        flat = np.asarray(x).ravel()
+        idx = np.argpartition(-flat, k - 1)[:k] if k < flat.size else np.arange(flat.size)
+        return flat[idx], idx.astype(np.int64)
+
+    def gather(self, x: Any, indices: Any) -> np.ndarray:
+        return np.asarray(x).ravel()[np.asarray(indices)]
+
+    def scatter(self, indices: Any, values: Any, size: int) -> np.ndarray:
+        out = np.zeros(size, dtype=np.asarray(values).dtype)
+        np.add.at(out, np.asarray(indices), values)
+        return out
+
+    def matmul(self, a: Any, b: Any) -> np.ndarray:
+        return np.matmul(a, b)
+
+    def qr(self, x: Any) -> np.ndarray:
+        q, _ = np.linalg.qr(x)
+        return q
+
+    def concat(self, xs: Sequence[Any], axis: int = 0) -> np.ndarray:
+        return np.concatenate(list(xs), axis=axis)
+
+    def split(self, x: Any, sizes: Sequence[int], axis: int = 0) -> list[np.ndarray]:
+        bounds = np.cumsum(list(sizes))[:-1]
+        return list(np.split(x, bounds, axis=axis))
+
+
+OPS = NumpyOps()

@@ -1,0 +1,159 @@
+"""TensorFlow / Keras 3 adapter: the only plait module that imports tensorflow.
+
+Eager tensors and variables are read through numpy; inside ``tf.function`` a
+host collective runs through ``tf.numpy_function``. Keras 3 variables (which are
+not ``tf.Variable``) are unwrapped through their ``.value``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import tensorflow as tf
+
+from plait.errors import PlaitTypeError
+
+__all__ = ["OPS", "TFOps", "collective_function", "unwrap"]
+
+_TO_NAME = {
+    tf.float16: "float16", tf.bfloat16: "bfloat16", tf.float32: "float32",
+    tf.float64: "float64", tf.int8: "int8", tf.uint8: "uint8", tf.int16: "int16",
+    tf.int32: "int32", tf.int64: "int64", tf.bool: "bool",
+}
+_FROM_NAME = {v: k for k, v in _TO_NAME.items()}
+
+
+def tf_dtype(name: str) -> tf.DType:
+    """Map a canonical dtype name to ``tf.DType``."""
+    return _FROM_NAME[name]
+
+
+def unwrap(x: Any) -> Any:
+    """Return the TensorFlow value behind a Keras 3 variable (or ``x`` itself)."""
+    if type(x).__module__.startswith("keras") and hasattr(x, "value"):
+        return x.value
+    return x
+
+
+class TFOps:
+    """:class:`~plait.protocols.TensorOps` for TensorFlow tensors and (Keras) variables."""
+
+    framework = "tensorflow"
+
+    def owns(self, x: Any) -> bool:
+        return isinstance(unwrap(x), (tf.Tensor, tf.Variable))
+
+    def dtype_name(self, x: Any) -> str:
+        dt = tf.as_dtype(unwrap(x).dtype)
+        try:
+            return _TO_NAME[dt]
+        except KeyError:
+            raise PlaitTypeError(
+                f"unsupported TensorFlow dtype {dt.name}: expected one of {sorted(_FROM_NAME)}"
+            ) from None
+
+    def shape(self, x: Any) -> tuple[int, ...]:
+        return tuple(int(d) if d is not None else -1 for d in unwrap(x).shape)
+
+    def is_symbolic(self, x: Any) -> bool:
+        x = unwrap(x)
+        if isinstance(x, tf.Variable):
+            return not tf.executing_eagerly()
+        return bool(tf.is_symbolic_tensor(x))
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        a = np.ascontiguousarray(unwrap(x).numpy())
+        return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+
+    def from_numpy(self, a: np.ndarray, like: Any) -> tf.Tensor:
+        dt = tf.as_dtype(unwrap(like).dtype)
+        if dt == tf.bfloat16 and a.dtype == np.uint16:
+            import ml_dtypes
+
+            a = a.view(ml_dtypes.bfloat16)
+        return tf.convert_to_tensor(a, dtype=dt)
+
+    def host_call(
+        self, fn: Callable[..., Any], inputs: Sequence[Any], like: Any, same_shape: bool = True
+    ) -> tf.Tensor:
+        like = unwrap(like)
+        out = tf.numpy_function(fn, [unwrap(i) for i in inputs], Tout=like.dtype, stateful=True)
+        if same_shape:
+            out.set_shape(like.shape)
+        else:
+            out.set_shape([None] + list(like.shape[1:]))
+        return out
+
+    # -- math -----------------------------------------------------------------
+    def cast(self, x: Any, dtype: str) -> tf.Tensor:
+        return tf.cast(unwrap(x), _FROM_NAME[dtype])
+
+    def reshape(self, x: Any, shape: Sequence[int]) -> tf.Tensor:
+        return tf.reshape(unwrap(x), tuple(shape))
+
+    def zeros(self, shape: Sequence[int], dtype: str, like: Any) -> tf.Tensor:
+        return tf.zeros(tuple(shape), dtype=_FROM_NAME[dtype])
+
+    def abs(self, x: Any) -> tf.Tensor:
+        return tf.abs(unwrap(x))
+
+    def sign(self, x: Any) -> tf.Tensor:
+        return tf.sign(unwrap(x))
+
+    def norm(self, x: Any) -> tf.Tensor:
+        return tf.norm(tf.reshape(unwrap(x), [-1]))
+
+    def topk(self, x: Any, k: int) -> tuple[tf.Tensor, tf.Tensor]:
+        flat = tf.reshape(unwrap(x), [-1])
+        values, indices = tf.math.top_k(flat, k=k, sorted=False)
+        return values, tf.cast(indices, tf.int64)
+
+    def gather(self, x: Any, indices: Any) -> tf.Tensor:
+        return tf.gather(tf.reshape(unwrap(x), [-1]), indices)
+
+    def scatter(self, indices: Any, values: Any, size: int) -> tf.Tensor:
+        idx = tf.reshape(tf.cast(indices, tf.int64), [-1, 1])
+        return tf.scatter_nd(idx, values, tf.constant([size], dtype=tf.int64))
+
+    def matmul(self, a: Any, b: Any) -> tf.Tensor:
+        return tf.matmul(unwrap(a), unwrap(b))
+
+    def qr(self, x: Any) -> tf.Tensor:
+        q, _ = tf.linalg.qr(unwrap(x))
+        return q
+
+    def concat(self, xs: Sequence[Any], axis: int = 0) -> tf.Tensor:
+        return tf.concat([unwrap(x) for x in xs], axis=axis)
+
+    def split(self, x: Any, sizes: Sequence[int], axis: int = 0) -> list[tf.Tensor]:
+        return list(tf.split(unwrap(x), list(sizes), axis=axis))
+
+
+def collective_function(
+    forward: Callable[[tf.Tensor], tf.Tensor],
+    backward: Callable[[tf.Tensor], tf.Tensor],
+) -> Callable[[tf.Tensor], tf.Tensor]:
+    """Make a differentiable function whose forward and backward are two collectives.
+
+    Args:
+        forward: applied to the input in the forward pass.
+        backward: applied to the upstream gradient in the backward pass.
+
+    Returns:
+        A function of one tensor, usable under ``tf.GradientTape``.
+    """
+
+    @tf.custom_gradient
+    def apply(x: tf.Tensor) -> Any:
+        return forward(x), backward
+
+    def call(x: tf.Tensor) -> tf.Tensor:
+        out: tf.Tensor = apply(x)
+        return out
+
+    return call
+
+
+OPS = TFOps()

@@ -1,0 +1,154 @@
+"""PyTorch adapter: the only plait module that imports torch.
+
+Host tensors are shared with numpy without a copy; CUDA tensors are staged
+through host memory (plait's MPI path is not CUDA-aware). bfloat16, which
+numpy lacks, travels as its 16-bit pattern.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from plait.errors import PlaitTypeError
+
+__all__ = ["OPS", "TorchOps", "collective_function"]
+
+_TO_NAME = {
+    torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+    torch.float64: "float64", torch.int8: "int8", torch.uint8: "uint8", torch.int16: "int16",
+    torch.int32: "int32", torch.int64: "int64", torch.bool: "bool",
+}
+_FROM_NAME = {v: k for k, v in _TO_NAME.items()}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """Map a canonical dtype name to ``torch.dtype``."""
+    return _FROM_NAME[name]
+
+
+class TorchOps:
+    """:class:`~plait.protocols.TensorOps` for ``torch.Tensor``."""
+
+    framework = "torch"
+
+    def owns(self, x: Any) -> bool:
+        return isinstance(x, torch.Tensor)
+
+    def dtype_name(self, x: torch.Tensor) -> str:
+        try:
+            return _TO_NAME[x.dtype]
+        except KeyError:
+            raise PlaitTypeError(
+                f"unsupported torch dtype {x.dtype}: expected one of {sorted(_FROM_NAME)}"
+            ) from None
+
+    def shape(self, x: torch.Tensor) -> tuple[int, ...]:
+        return tuple(x.shape)
+
+    def is_symbolic(self, x: torch.Tensor) -> bool:
+        return False
+
+    def to_numpy(self, x: torch.Tensor) -> np.ndarray:
+        t = x.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        t = t.contiguous()
+        if t.dtype == torch.bfloat16:
+            return t.view(torch.int16).numpy().view(np.uint16)
+        return t.numpy()
+
+    def from_numpy(self, a: np.ndarray, like: torch.Tensor) -> torch.Tensor:
+        if not a.flags.writeable:
+            a = a.copy()
+        if like.dtype == torch.bfloat16 and a.dtype == np.uint16:
+            t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+        else:
+            t = torch.from_numpy(a)
+        if like.device.type != "cpu":
+            t = t.to(like.device)
+        return t
+
+    def host_call(
+        self, fn: Callable[..., Any], inputs: Sequence[Any], like: Any, same_shape: bool = True
+    ) -> Any:
+        return fn(*inputs)
+
+    # -- math -----------------------------------------------------------------
+    def cast(self, x: torch.Tensor, dtype: str) -> torch.Tensor:
+        return x.to(_FROM_NAME[dtype])
+
+    def reshape(self, x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
+        return x.reshape(tuple(shape))
+
+    def zeros(self, shape: Sequence[int], dtype: str, like: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(tuple(shape), dtype=_FROM_NAME[dtype], device=like.device)
+
+    def abs(self, x: torch.Tensor) -> torch.Tensor:
+        return x.abs()
+
+    def sign(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sign()
+
+    def norm(self, x: torch.Tensor) -> torch.Tensor:
+        return x.norm()
+
+    def topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        values, indices = torch.topk(x.reshape(-1), k, sorted=False)
+        return values, indices
+
+    def gather(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1)[indices]
+
+    def scatter(self, indices: torch.Tensor, values: torch.Tensor, size: int) -> torch.Tensor:
+        out = torch.zeros(size, dtype=values.dtype, device=values.device)
+        return out.index_add_(0, indices, values)
+
+    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a @ b
+
+    def qr(self, x: torch.Tensor) -> torch.Tensor:
+        q, _ = torch.linalg.qr(x)
+        return q
+
+    def concat(self, xs: Sequence[torch.Tensor], axis: int = 0) -> torch.Tensor:
+        return torch.cat(list(xs), dim=axis)
+
+    def split(self, x: torch.Tensor, sizes: Sequence[int], axis: int = 0) -> list[torch.Tensor]:
+        return list(torch.split(x, list(sizes), dim=axis))
+
+
+def collective_function(
+    forward: Callable[[torch.Tensor], torch.Tensor],
+    backward: Callable[[torch.Tensor], torch.Tensor],
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Make a differentiable function whose forward and backward are two collectives.
+
+    Args:
+        forward: applied to the input in the forward pass.
+        backward: applied to the upstream gradient in the backward pass.
+
+    Returns:
+        A function of one tensor, usable inside autograd.
+    """
+
+    class _Collective(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+            return forward(x)
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+            return backward(grad)
+
+    def apply(x: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = _Collective.apply(x)
+        return out
+
+    return apply
+
+
+OPS = TorchOps()

@@ -1,0 +1,377 @@
+"""Horovod backend: plait's Communicator over Horovod (the only module importing horovod).
+
+One Horovod library serves the process: ``horovod.torch`` for a PyTorch job,
+``horovod.tensorflow`` for a TensorFlow job. Tensors of another framework (and
+numpy arrays) cross through host memory. Horovod 0.28's CPU ops have no
+bfloat16 and no bool, so plait reduces bfloat16 in float32 and moves bool as
+uint8; data-moving ops carry 16-bit floats as their bit patterns.
+Horovod has no point-to-point messages: ``send``/``recv`` use MPI when the job
+was started by an MPI launcher and raise ``NotImplementedError`` otherwise.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from plait.errors import BackendUnavailableError, CollectiveTimeoutError, invalid
+from plait.protocols import Handle, Tensor, TensorOps
+
+from .base import CommunicatorBase, Done, Pending, check_splits
+from .check import Call
+
+__all__ = ["HorovodCommunicator", "build_info", "mpi_launched"]
+
+_CARRY_REDUCE = {"bfloat16": "float32", "bool": "uint8"}
+_CARRY_MOVE = {"bfloat16": "int16", "bool": "uint8"}
+_BOOL_OPS = {"sum": "max", "max": "max", "min": "min", "product": "min"}
+
+
+def mpi_launched() -> bool:
+    """True when an MPI launcher (mpirun, or horovodrun in MPI mode) started this process."""
+    return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+
+
+def build_info(framework: str = "torch") -> dict[str, bool]:
+    """What the installed Horovod was built with, like ``horovodrun --check-build``."""
+    hvd = _import(framework)
+    return {
+        "mpi": bool(hvd.mpi_built()), "gloo": bool(hvd.gloo_built()),
+        "nccl": bool(hvd.nccl_built()), "cuda": bool(hvd.cuda_built()),
+        "torch": _importable("horovod.torch"), "tensorflow": _importable("horovod.tensorflow"),
+    }
+
+
+def _importable(module: str) -> bool:
+    try:
+        __import__(module)
+    except Exception:
+        return False
+    return True
+
+
+def _import(framework: str) -> Any:
+    try:
+        if framework == "torch":
+            import horovod.torch as hvd
+        elif framework == "tensorflow":
+            import horovod.tensorflow as hvd
+        else:
+            raise invalid("framework", framework, '"torch" or "tensorflow"')
+    except ImportError as exc:
+        raise BackendUnavailableError(
+            f"backend 'horovod' needs horovod.{framework}, which failed to import ({exc}); "
+            "run `make setup` or choose backend='mpi'"
+        ) from exc
+    return hvd
+
+
+class _World:
+    """What the world communicator and its sub-groups share: the library and process sets."""
+
+    def __init__(self, framework: str) -> None:
+        if mpi_launched():
+            from mpi4py import MPI  # noqa: F401  (MPI first, at THREAD_MULTIPLE)
+        self.framework = framework
+        self.hvd = _import(framework)
+        self.hvd.init(process_sets="dynamic")
+        from plait.adapters import adapter
+
+        self.ops: TensorOps = adapter(framework)
+        self.sets: dict[tuple[int, ...], Any] = {}
+
+
+class HorovodCommunicator(CommunicatorBase):
+    """:class:`~plait.protocols.Communicator` over Horovod.
+
+    Args:
+        framework: "torch" or "tensorflow": which Horovod library to initialise.
+        check: verify before each collective that all ranks make the same call.
+        timeout: seconds to wait for the other ranks at the agreement check.
+    """
+
+    backend = "horovod"
+
+    def __init__(self, framework: str = "torch", *, check: bool = True, timeout: float = 300.0,
+                 _world: _World | None = None, _set: Any = None, _mpi: Any = None) -> None:
+        super().__init__(check=check, timeout=timeout)
+        self._w = _world if _world is not None else _World(framework)
+        self.framework = self._w.framework
+        hvd = self._w.hvd
+        self._hvd = hvd
+        self._set = hvd.global_process_set if _set is None else _set
+        self.rank = int(self._set.rank())
+        self.size = int(self._set.size())
+        self.adasum = True
+        if _world is None and mpi_launched():
+            from .mpi import MPICommunicator
+
+            _mpi = MPICommunicator(check=check, timeout=timeout)
+        self._mpi = _mpi
+        if _set is None:
+            self.local_rank, self.local_size = int(hvd.local_rank()), int(hvd.local_size())
+            self.cross_rank, self.cross_size = int(hvd.cross_rank()), int(hvd.cross_size())
+        else:
+            self._topology()
+        self._ops_map = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min,
+                         "max": hvd.Max, "product": hvd.Product, "adasum": hvd.Adasum}
+
+    # -- conversion to and from the library's framework ----------------------------------
+    def _native(self, ops: TensorOps, tensor: Tensor, carry: str | None) -> Any:
+        lib = self._w.ops
+        if ops.framework == lib.framework:
+            t = tensor if ops.framework != "tensorflow" else _tf_value(tensor)
+            if carry is None:
+                return t
+            if carry == "int16" and lib.framework == "torch":
+                return t.view(_torch_dtype("int16"))
+            return lib.cast(t, carry) if carry != "int16" else _tf_bitcast(t, "int16")
+        arr = ops.to_numpy(tensor)
+        if carry == "float32" and ops.dtype_name(tensor) == "bfloat16":
+            from plait.adapters.numpy import bf16_to_f32
+
+            arr = bf16_to_f32(arr)
+        elif carry == "int16":
+            arr = arr.view(np.int16)
+        elif carry is not None:
+            arr = arr.astype(carry)
+        return _from_numpy(lib, arr)
+
+    def _back(self, ops: TensorOps, result: Any, like: Tensor, dtype: str, carry: str | None) -> Any:
+        lib = self._w.ops
+        if ops.framework == lib.framework:
+            if carry is None:
+                return result
+            if carry == "int16" and lib.framework == "torch":
+                return result.view(_torch_dtype(dtype))
+            return lib.cast(result, dtype) if carry != "int16" else _tf_bitcast(result, dtype)
+        arr = lib.to_numpy(result)
+        if dtype == "bfloat16" and carry == "float32":
+            from plait.adapters.numpy import f32_to_bf16
+
+            arr = f32_to_bf16(arr)
+        elif carry == "int16":
+            arr = arr.view(np.uint16 if dtype == "bfloat16" else np.float16)
+        elif carry is not None:
+            arr = arr.astype(bool if dtype == "bool" else dtype)
+        return ops.from_numpy(np.ascontiguousarray(arr), like)
+
+    def _handle(self, started: Any, finish: Any) -> Handle:
+        """Wrap a torch Horovod handle (or an eager TensorFlow result)."""
+        if self.framework == "torch":
+            hvd = self._hvd
+            result: list[Any] = []
+
+            def wait() -> None:
+                result.append(hvd.synchronize(started))
+
+            return Pending(lambda: hvd.poll(started), wait, lambda: finish(result[0]), started)
+        return Done(finish(started))
+
+    # -- raw primitives ------------------------------------------------------------------
+    def _raw_min(self, values: np.ndarray) -> np.ndarray:
+        lib, hvd = self._w.ops, self._hvd
+        t = _from_numpy(lib, values)
+        if self.framework == "torch":
+            h = hvd.allreduce_async(t, op=hvd.Min, process_set=self._set)
+            deadline = time.monotonic() + self.timeout
+            while not hvd.poll(h):
+                if time.monotonic() > deadline:
+                    raise CollectiveTimeoutError(
+                        f"{self!r}: waited {self.timeout:g}s for the other ranks to reach a "
+                        "collective; some rank is dead, stuck or calling something else"
+                    )
+                time.sleep(1e-4)
+            return np.asarray(lib.to_numpy(hvd.synchronize(h)))
+        return np.asarray(lib.to_numpy(hvd.allreduce(t, op=hvd.Min, process_set=self._set)))
+
+    def _raw_allgather_bytes(self, data: np.ndarray) -> np.ndarray:
+        lib = self._w.ops
+        flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        out = self._hvd.allgather(_from_numpy(lib, flat), process_set=self._set)
+        return np.asarray(lib.to_numpy(out)).view(np.uint8)
+
+    def _raw_bcast_bytes(self, data: np.ndarray | None, root: int) -> np.ndarray:
+        lib = self._w.ops
+        n = np.array([0 if data is None else data.size], dtype=np.int64)
+        n = lib.to_numpy(self._hvd.broadcast(_from_numpy(lib, n), self._root(root),
+                                             process_set=self._set))
+        buf = np.ascontiguousarray(data).view(np.uint8) if data is not None else np.zeros(
+            int(n[0]), np.uint8)
+        out = self._hvd.broadcast(_from_numpy(lib, buf), self._root(root), process_set=self._set)
+        return np.asarray(lib.to_numpy(out)).view(np.uint8)
+
+    def _root(self, root: int) -> int:
+        """Horovod names broadcast roots by their global rank."""
+        ranks = self._set.ranks
+        return int(ranks[root]) if ranks else int(root)
+
+    # -- collectives ---------------------------------------------------------------------
+    def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Handle:
+        ops = self._ops(tensor, "allreduce")
+        dtype = ops.dtype_name(tensor)
+        self._validate_op(op, dtype)
+        if self._host_graph(ops, tensor):
+            return self._graph(ops, tensor, lambda a: self.allreduce(a, op, name)) or Done(None)
+        self._verify(Call("allreduce", ops.shape(tensor), dtype, op=op, name=name))
+        carry = _CARRY_REDUCE.get(dtype)
+        if dtype == "float16" and op in ("min", "max", "product"):
+            carry = "float32"
+        hop = self._ops_map[_BOOL_OPS[op] if dtype == "bool" else op]
+        t = self._native(ops, tensor, carry)
+        kw = {"name": name, "op": hop, "process_set": self._set}
+        started = (self._hvd.allreduce_async(t, **kw) if self.framework == "torch"
+                   else self._hvd.allreduce(t, **kw))
+        return self._handle(started, lambda r: self._back(ops, r, tensor, dtype, carry))
+
+    def grouped_allreduce(self, tensors: Sequence[Tensor], op: str = "average",
+                          name: str | None = None) -> list[Tensor]:
+        """Allreduce several tensors in one Horovod grouped call where types allow."""
+        return super().grouped_allreduce(tensors, op, name)
+
+    def allgather_async(self, tensor: Tensor, name: str | None = None) -> Handle:
+        ops = self._ops(tensor, "allgather")
+        dtype = ops.dtype_name(tensor)
+        if self._host_graph(ops, tensor):
+            return self._graph(ops, tensor, lambda a: self.allgather(a, name), False) or Done(None)
+        shape = ops.shape(tensor)
+        if not shape:
+            raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
+        self._verify(Call("allgather", shape, dtype, name=name, ragged=True))
+        carry = _CARRY_MOVE.get(dtype)
+        t = self._native(ops, tensor, carry)
+        kw = {"name": name, "process_set": self._set}
+        started = (self._hvd.allgather_async(t, **kw) if self.framework == "torch"
+                   else self._hvd.allgather(t, **kw))
+        return self._handle(started, lambda r: self._back(ops, r, tensor, dtype, carry))
+
+    def broadcast_async(self, tensor: Tensor, root: int = 0, name: str | None = None) -> Handle:
+        ops = self._ops(tensor, "broadcast")
+        self._validate_rank("root", root)
+        dtype = ops.dtype_name(tensor)
+        if self._host_graph(ops, tensor):
+            return self._graph(ops, tensor, lambda a: self.broadcast(a, root, name)) or Done(None)
+        self._verify(Call("broadcast", ops.shape(tensor), dtype, root=root, name=name))
+        carry = _CARRY_MOVE.get(dtype)
+        t = self._native(ops, tensor, carry)
+        kw = {"name": name, "process_set": self._set}
+        started = (self._hvd.broadcast_async(t, self._root(root), **kw)
+                   if self.framework == "torch"
+                   else self._hvd.broadcast(t, self._root(root), **kw))
+        return self._handle(started, lambda r: self._back(ops, r, tensor, dtype, carry))
+
+    def alltoall(self, tensor: Tensor, splits: Sequence[int] | None = None,
+                 name: str | None = None) -> tuple[Tensor, list[int]]:
+        """Send slice ``i`` of the first dimension to rank ``i``; return what arrived and its splits."""
+        ops = self._ops(tensor, "alltoall")
+        dtype = ops.dtype_name(tensor)
+        shape = ops.shape(tensor)
+        if not shape:
+            raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
+        send = check_splits(splits, shape[0], self.size)
+        self._verify(Call("alltoall", shape, dtype, name=name, ragged=True))
+        carry = _CARRY_MOVE.get(dtype)
+        t = self._native(ops, tensor, carry)
+        lib_splits = _from_numpy(self._w.ops, np.array(send, dtype=np.int32))
+        out, received = self._hvd.alltoall(t, splits=lib_splits, name=name, process_set=self._set)
+        recv = [int(r) for r in np.asarray(self._w.ops.to_numpy(received)).reshape(-1)]
+        return self._back(ops, out, tensor, dtype, carry), recv
+
+    def reducescatter(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Tensor:
+        """Reduce over ranks and keep this rank's part of the first dimension."""
+        ops = self._ops(tensor, "reducescatter")
+        dtype = ops.dtype_name(tensor)
+        self._validate_op(op, dtype)
+        if op not in ("sum", "average"):
+            raise invalid("op", op, "'sum' or 'average' for reducescatter on the horovod backend")
+        shape = ops.shape(tensor)
+        if not shape:
+            raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
+        self._verify(Call("reducescatter", shape, dtype, op=op, name=name))
+        carry = _CARRY_REDUCE.get(dtype)
+        t = self._native(ops, tensor, carry)
+        out = self._hvd.reducescatter(t, name=name, op=self._ops_map[op], process_set=self._set)
+        return self._back(ops, out, tensor, dtype, carry)
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group arrived."""
+        self._raw_min(np.zeros(1, dtype=np.int64))
+
+    # -- point to point (through MPI) ------------------------------------------------------
+    def _p2p(self) -> Any:
+        if self._mpi is None:
+            raise NotImplementedError(
+                "Horovod has no point-to-point messages; plait sends them through MPI, which "
+                "needs the job to be started by mpirun (or horovodrun --mpi). This job was "
+                "started without MPI (e.g. horovodrun --gloo): use backend='mpi' under mpirun"
+            )
+        return self._mpi
+
+    def send(self, tensor: Tensor, dest: int, tag: int = 0) -> None:
+        """Send ``tensor`` to group rank ``dest`` (through MPI)."""
+        self._p2p().send(tensor, dest, tag)
+
+    def recv(self, like: Tensor, source: int, tag: int = 0) -> Tensor:
+        """Receive a tensor shaped like ``like`` from group rank ``source`` (through MPI)."""
+        return self._p2p().recv(like, source, tag)
+
+    # -- groups -------------------------------------------------------------------------------
+    def split(self, color: int, key: int = 0) -> HorovodCommunicator:
+        """Collective over this group: ranks with equal ``color`` form a Horovod process set."""
+        me = (int(color), int(key), int(self._set.ranks[self.rank]) if self._set.ranks
+              else self.rank)
+        everyone = self.allgather_object(me)
+        groups: dict[int, list[tuple[int, int]]] = {}
+        for c, k, g in everyone:
+            groups.setdefault(c, []).append((k, g))
+        mine = None
+        for c in sorted(groups):
+            ranks = tuple(g for _, g in sorted(groups[c]))
+            if ranks not in self._w.sets:
+                if len(ranks) == self._hvd.size() and ranks == tuple(range(len(ranks))):
+                    self._w.sets[ranks] = self._hvd.global_process_set
+                else:
+                    self._w.sets[ranks] = self._hvd.add_process_set(list(ranks))
+            if c == int(color):
+                mine = self._w.sets[ranks]
+        sub_mpi = self._mpi.split(color, key) if self._mpi is not None else None
+        return HorovodCommunicator(self.framework, check=self.check, timeout=self.timeout,
+                                   _world=self._w, _set=mine, _mpi=sub_mpi)
+
+    def _host_graph(self, ops: TensorOps, tensor: Tensor) -> bool:
+        """A symbolic tensor that the library cannot take natively."""
+        return ops.is_symbolic(tensor) and ops.framework != self.framework
+
+
+def _from_numpy(lib: TensorOps, arr: np.ndarray) -> Any:
+    if lib.framework == "torch":
+        import torch
+
+        return torch.from_numpy(np.ascontiguousarray(arr).copy())
+    import tensorflow as tf
+
+    return tf.convert_to_tensor(arr)
+
+
+def _torch_dtype(name: str) -> Any:
+    from plait.adapters.torch import torch_dtype
+
+    return torch_dtype(name)
+
+
+def _tf_value(x: Any) -> Any:
+    from plait.adapters.tensorflow import unwrap
+
+    return unwrap(x)
+
+
+def _tf_bitcast(x: Any, dtype: str) -> Any:
+    import tensorflow as tf
+
+    from plait.adapters.tensorflow import tf_dtype
+
+    return tf.bitcast(x, tf_dtype(dtype))

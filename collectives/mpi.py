@@ -1,0 +1,302 @@
+"""MPI backend: plait's Communicator over mpi4py (the only module importing mpi4py).
+
+Tensors are viewed as numpy buffers (no copy for host tensors) and moved with
+mpi4py's buffer calls; every ``_async`` form is a nonblocking ``I*`` call.
+float16 and bfloat16 are reduced by user-defined MPI ops over their 16-bit
+patterns, so they cross the wire at 2 bytes per element.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from plait.adapters.numpy import bf16_to_f32, f32_to_bf16
+from plait.errors import CollectiveTimeoutError, MismatchError, invalid
+from plait.protocols import Handle, Tensor
+
+from .base import CommunicatorBase, Pending, check_splits, floating, reducescatter_counts
+from .check import Call
+
+__all__ = ["MPICommunicator", "thread_level"]
+
+_BUILTIN = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD,
+            "average": MPI.SUM}
+_BOOL = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "product": MPI.LAND}
+_NP = {"sum": np.add, "average": np.add, "min": np.minimum, "max": np.maximum,
+       "product": np.multiply}
+_MPI_TYPES = {
+    "float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int8": MPI.INT8_T, "uint8": MPI.UINT8_T,
+    "int16": MPI.INT16_T, "int32": MPI.INT32_T, "int64": MPI.INT64_T, "bool": MPI.C_BOOL,
+    "float16": MPI.UINT16_T, "bfloat16": MPI.UINT16_T,
+}
+
+
+def thread_level() -> str:
+    """Name of the MPI thread support level provided to this process."""
+    names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
+             MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
+    return names.get(MPI.Query_thread(), "unknown")
+
+
+def _half_op(dtype: str, op: str) -> MPI.Op:
+    """A user-defined MPI op reducing 16-bit floats given as uint16 patterns."""
+    combine = _NP[op]
+    if dtype == "float16":
+        def fn(inbuf: Any, inout: Any, datatype: Any) -> None:
+            a = np.frombuffer(inbuf, dtype=np.float16)
+            b = np.frombuffer(inout, dtype=np.float16)
+            b[...] = combine(a, b)
+    else:
+        def fn(inbuf: Any, inout: Any, datatype: Any) -> None:
+            a = np.frombuffer(inbuf, dtype=np.uint16)
+            b = np.frombuffer(inout, dtype=np.uint16)
+            b[...] = f32_to_bf16(combine(bf16_to_f32(a), bf16_to_f32(b)))
+    return MPI.Op.Create(fn, commute=True)
+
+
+def _flat_bytes(a: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+
+
+class MPICommunicator(CommunicatorBase):
+    """:class:`~plait.protocols.Communicator` over an mpi4py communicator.
+
+    Args:
+        comm: the mpi4py communicator (default ``MPI.COMM_WORLD``).
+        check: verify before each collective that all ranks make the same call.
+        timeout: seconds a rank waits for the others to arrive at a collective
+            before raising :class:`~plait.errors.CollectiveTimeoutError`.
+    """
+
+    backend = "mpi"
+
+    def __init__(self, comm: Any = None, *, check: bool = True, timeout: float = 300.0,
+                 _ops_cache: dict[tuple[str, str], Any] | None = None) -> None:
+        super().__init__(check=check, timeout=timeout)
+        self.comm = MPI.COMM_WORLD if comm is None else comm
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self._half_ops: dict[tuple[str, str], Any] = {} if _ops_cache is None else _ops_cache
+        self._topology()
+
+    # -- raw primitives ------------------------------------------------------------
+    def _poll(self, req: Any, what: str) -> None:
+        """Wait for ``req``, raising if the group does not complete it in time."""
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while not req.Test():
+            spins += 1
+            if spins > 200:
+                if time.monotonic() > deadline:
+                    raise CollectiveTimeoutError(
+                        f"{self!r}: waited {self.timeout:g}s for the other ranks to reach "
+                        f"{what}; some rank is dead, stuck or calling something else"
+                    )
+                time.sleep(min(1e-3, 1e-6 * spins))
+
+    def _raw_min(self, values: np.ndarray) -> np.ndarray:
+        out = np.empty_like(values)
+        self._poll(self.comm.Iallreduce(values, out, MPI.MIN), "a collective")
+        return out
+
+    def _raw_allgather_bytes(self, data: np.ndarray) -> np.ndarray:
+        data = _flat_bytes(data)
+        counts = np.empty(self.size, dtype=np.int64)
+        self.comm.Allgather(np.array([data.size], dtype=np.int64), counts)
+        out = np.empty(int(counts.sum()), dtype=np.uint8)
+        self.comm.Allgatherv(data, [out, counts, MPI.BYTE])
+        return out
+
+    def _raw_bcast_bytes(self, data: np.ndarray | None, root: int) -> np.ndarray:
+        n = np.array([0 if data is None else data.size], dtype=np.int64)
+        self.comm.Bcast(n, root=root)
+        out = _flat_bytes(data).copy() if data is not None else np.empty(int(n[0]), np.uint8)
+        self.comm.Bcast(out, root=root)
+        return out
+
+    def _request(self, req: Any, finish: Callable[[], Any], keep: Any) -> Pending:
+        return Pending(req.Test, req.Wait, finish, keep)
+
+    def _reduce_plan(self, op: str, dtype: str) -> tuple[Any, Any]:
+        if dtype == "bool":
+            return MPI.C_BOOL, _BOOL[op]
+        if dtype in ("float16", "bfloat16"):
+            key = (dtype, op)
+            if key not in self._half_ops:
+                self._half_ops[key] = _half_op(dtype, op)
+            return MPI.UINT16_T, self._half_ops[key]
+        return _MPI_TYPES[dtype], _BUILTIN[op]
+
+    def _average(self, out: np.ndarray, dtype: str) -> np.ndarray:
+        if dtype == "bfloat16":
+            return f32_to_bf16(bf16_to_f32(out) / self.size)
+        if floating(dtype):
+            out /= self.size
+            return out
+        return np.trunc(out / self.size).astype(out.dtype)
+
+    # -- collectives -----------------------------------------------------------------------------
+    def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Handle:
+        ops = self._ops(tensor, "allreduce")
+        graph = self._graph(ops, tensor, lambda a: self.allreduce(a, op, name))
+        if graph is not None:
+            return graph
+        dtype = ops.dtype_name(tensor)
+        self._validate_op(op, dtype)
+        buf = ops.to_numpy(tensor)
+        self._verify(Call("allreduce", buf.shape, dtype, op=op, name=name))
+        out = np.empty_like(buf)
+        mpi_type, mpi_op = self._reduce_plan(op, dtype)
+        req = self.comm.Iallreduce([buf, mpi_type], [out, mpi_type], mpi_op)
+
+        def finish() -> Tensor:
+            return ops.from_numpy(self._average(out, dtype) if op == "average" else out, tensor)
+
+        return self._request(req, finish, (buf, tensor))
+
+    def allgather_async(self, tensor: Tensor, name: str | None = None) -> Handle:
+        ops = self._ops(tensor, "allgather")
+        graph = self._graph(ops, tensor, lambda a: self.allgather(a, name), same_shape=False)
+        if graph is not None:
+            return graph
+        dtype = ops.dtype_name(tensor)
+        buf = ops.to_numpy(tensor)
+        if buf.ndim == 0:
+            raise invalid("tensor", f"a 0-d tensor", "a tensor with at least one dimension")
+        self._verify(Call("allgather", buf.shape, dtype, name=name, ragged=True))
+        rows = np.empty(self.size, dtype=np.int64)
+        self.comm.Allgather(np.array([buf.shape[0]], dtype=np.int64), rows)
+        row_bytes = buf[:1].nbytes if buf.shape[0] else int(np.prod(buf.shape[1:])) * buf.itemsize
+        counts = rows * row_bytes
+        out = np.empty((int(rows.sum()),) + buf.shape[1:], dtype=buf.dtype)
+        req = self.comm.Iallgatherv(_flat_bytes(buf), [_flat_bytes(out), counts, MPI.BYTE])
+        return self._request(req, lambda: ops.from_numpy(out, tensor), (buf, tensor))
+
+    def broadcast_async(self, tensor: Tensor, root: int = 0, name: str | None = None) -> Handle:
+        ops = self._ops(tensor, "broadcast")
+        self._validate_rank("root", root)
+        graph = self._graph(ops, tensor, lambda a: self.broadcast(a, root, name))
+        if graph is not None:
+            return graph
+        dtype = ops.dtype_name(tensor)
+        buf = ops.to_numpy(tensor)
+        self._verify(Call("broadcast", buf.shape, dtype, root=root, name=name))
+        out = buf.copy() if self.rank == root else np.empty_like(buf)
+        req = self.comm.Ibcast(_flat_bytes(out), root=root)
+        return self._request(req, lambda: ops.from_numpy(out, tensor), (buf, tensor))
+
+    def alltoall_async(self, tensor: Tensor, splits: Sequence[int] | None = None,
+                       name: str | None = None) -> Handle:
+        """Start an alltoall; ``wait()`` gives ``(output, received_splits)``."""
+        ops = self._ops(tensor, "alltoall")
+        dtype = ops.dtype_name(tensor)
+        buf = ops.to_numpy(tensor)
+        if buf.ndim == 0:
+            raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
+        send = np.array(check_splits(splits, buf.shape[0], self.size), dtype=np.int64)
+        self._verify(Call("alltoall", buf.shape, dtype, name=name, ragged=True))
+        recv = np.empty(self.size, dtype=np.int64)
+        self.comm.Alltoall(send, recv)
+        row = int(np.prod(buf.shape[1:], dtype=np.int64)) * buf.itemsize
+        out = np.empty((int(recv.sum()),) + buf.shape[1:], dtype=buf.dtype)
+        sc, rc = send * row, recv * row
+        sd = np.concatenate([[0], np.cumsum(sc)[:-1]]).astype(np.int64)
+        rd = np.concatenate([[0], np.cumsum(rc)[:-1]]).astype(np.int64)
+        req = self.comm.Ialltoallv([_flat_bytes(buf), sc, sd, MPI.BYTE],
+                                   [_flat_bytes(out), rc, rd, MPI.BYTE])
+        return self._request(
+            req, lambda: (ops.from_numpy(out, tensor), [int(r) for r in recv]), (buf, tensor)
+        )
+
+    def alltoall(self, tensor: Tensor, splits: Sequence[int] | None = None,
+                 name: str | None = None) -> tuple[Tensor, list[int]]:
+        """Send slice ``i`` of the first dimension to rank ``i``; return what arrived and its splits."""
+        result: tuple[Tensor, list[int]] = self.alltoall_async(tensor, splits, name).wait()
+        return result
+
+    def reducescatter_async(self, tensor: Tensor, op: str = "average",
+                            name: str | None = None) -> Handle:
+        ops = self._ops(tensor, "reducescatter")
+        dtype = ops.dtype_name(tensor)
+        self._validate_op(op, dtype)
+        buf = ops.to_numpy(tensor)
+        if buf.ndim == 0:
+            raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
+        self._verify(Call("reducescatter", buf.shape, dtype, op=op, name=name))
+        rows = reducescatter_counts(buf.shape[0], self.size)
+        row = int(np.prod(buf.shape[1:], dtype=np.int64))
+        out = np.empty((rows[self.rank],) + buf.shape[1:], dtype=buf.dtype)
+        mpi_type, mpi_op = self._reduce_plan(op, dtype)
+        req = self.comm.Ireduce_scatter([buf, mpi_type], [out, mpi_type],
+                                        [r * row for r in rows], mpi_op)
+
+        def finish() -> Tensor:
+            return ops.from_numpy(self._average(out, dtype) if op == "average" else out, tensor)
+
+        return self._request(req, finish, (buf, tensor))
+
+    def reducescatter(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Tensor:
+        """Reduce over ranks and keep this rank's part of the first dimension."""
+        return self.reducescatter_async(tensor, op, name).wait()
+
+    def barrier(self) -> None:
+        """Wait until every rank of the group arrived (raises after the timeout)."""
+        self._poll(self.comm.Ibarrier(), "barrier")
+
+    # -- point to point -------------------------------------------------------------------------
+    def send(self, tensor: Tensor, dest: int, tag: int = 0) -> None:
+        """Send ``tensor`` to rank ``dest`` (blocking until the buffer is reusable)."""
+        self._validate_rank("dest", dest)
+        ops = self._ops(tensor, "send")
+        self.comm.Send(_flat_bytes(ops.to_numpy(tensor)), dest=dest, tag=tag)
+
+    def recv(self, like: Tensor, source: int, tag: int = 0) -> Tensor:
+        """Receive a tensor shaped and typed like ``like`` from rank ``source``.
+
+        Raises:
+            MismatchError: when the message's size differs from ``like``'s.
+        """
+        self._validate_rank("source", source)
+        ops = self._ops(like, "recv")
+        template = ops.to_numpy(like)
+        status = MPI.Status()
+        self._poll_probe(source, tag, status)
+        got = status.Get_count(MPI.BYTE)
+        if got != template.nbytes:
+            junk = np.empty(got, dtype=np.uint8)
+            self.comm.Recv(junk, source=source, tag=tag)
+            raise MismatchError(
+                f"{self!r}: recv from rank {source} (tag {tag}) expected {template.nbytes} bytes "
+                f"(shape {template.shape}, {ops.dtype_name(like)}) but the message has {got}"
+            )
+        out = np.empty_like(template)
+        self.comm.Recv(_flat_bytes(out), source=source, tag=tag)
+        return ops.from_numpy(out, like)
+
+    def _poll_probe(self, source: int, tag: int, status: Any) -> None:
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while not self.comm.Iprobe(source=source, tag=tag, status=status):
+            spins += 1
+            if spins > 200:
+                if time.monotonic() > deadline:
+                    raise CollectiveTimeoutError(
+                        f"{self!r}: no message from rank {source} (tag {tag}) "
+                        f"within {self.timeout:g}s"
+                    )
+                time.sleep(min(1e-3, 1e-6 * spins))
+
+    # -- groups ------------------------------------------------------------------------------------
+    def split(self, color: int, key: int = 0) -> MPICommunicator:
+        """Collective over this group: ranks with equal ``color`` form a new group,
+        ordered by ``key`` (then by rank)."""
+        sub = self.comm.Split(int(color), int(key))
+        return MPICommunicator(sub, check=self.check, timeout=self.timeout,
+                               _ops_cache=self._half_ops)
+
+

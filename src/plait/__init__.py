@@ -1,0 +1,38 @@
+"""plait: distributed training for PyTorch and TensorFlow/Keras over Horovod or MPI.
+
+``import plait`` imports no framework, no mpi4py and no horovod; they are
+imported when a communicator or adapter needs them.
+"""
+
+from .config import BACKENDS, Config
+from .errors import (
+    BackendUnavailableError,
+    CollectiveTimeoutError,
+    ConfigError,
+    MismatchError,
+    PlaitError,
+    PlaitTypeError,
+)
+from .protocols import Communicator, Handle, TensorOps
+from .runtime import init, is_initialized, shutdown, world
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BACKENDS",
+    "BackendUnavailableError",
+    "CollectiveTimeoutError",
+    "Communicator",
+    "Config",
+    "ConfigError",
+    "Handle",
+    "MismatchError",
+    "PlaitError",
+    "PlaitTypeError",
+    "TensorOps",
+    "__version__",
+    "init",
+    "is_initialized",
+    "shutdown",
+    "world",
+]
