@@ -1,0 +1,274 @@
+"""``plait run``: start a command on every rank through ``mpirun`` or ``horovodrun``.
+
+Usage::
+
+    plait run [-np N] [-H host1:2,host2:2 | --hostfile FILE]
+              [--launcher mpirun|horovodrun] [--backend mpi|horovod|auto]
+              [--network-interface IF] [--timeout S] [--oversubscribe]
+              [-x VAR]... [--mca KEY VALUE]... [--dry-run] -- COMMAND...
+
+The launcher runs in its own process group; SIGINT and SIGTERM sent to
+``plait run`` are forwarded to that group. With ``--timeout`` the whole group
+is killed when the time is up and the exit status is 124 (like ``timeout(1)``).
+Otherwise the exit status is the launcher's (128 + N if it died of signal N).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from types import FrameType
+
+from plait.errors import ConfigError
+from plait.launch.command import (
+    BACKENDS,
+    CONTROLLERS,
+    LAUNCHERS,
+    LaunchCommand,
+    LaunchSpec,
+    build_command,
+)
+from plait.launch.hostfile import HostSlots, check_np, parse_hostfile, parse_hosts, total_slots
+
+__all__ = ["EXIT_TIMEOUT", "KILL_GRACE_S", "build_parser", "main", "run_command", "spec_from_args"]
+
+#: Exit status when ``--timeout`` expires (the same as ``timeout(1)``).
+EXIT_TIMEOUT = 124
+#: Seconds between SIGTERM and SIGKILL when the job is killed.
+KILL_GRACE_S = 5.0
+_PROG = "plait run"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected an integer >= 1")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected seconds > 0")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Build the ``plait run`` argument parser.
+
+    Returns:
+        The parser; its ``command`` attribute holds everything after ``--``.
+    """
+    p = argparse.ArgumentParser(
+        prog=_PROG,
+        description="Run COMMAND on every rank through mpirun or horovodrun.",
+        epilog="Example: plait run -np 4 -H node1:2,node2:2 -- python train.py",
+    )
+    p.add_argument("-np", "--num-proc", dest="np", type=_positive_int, metavar="N",
+                   help="number of ranks (default: total slots of the hosts, or 1)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...",
+                       help="hosts and slots, e.g. node1:2,node2:2")
+    where.add_argument("--hostfile", metavar="FILE", help="hostfile of 'HOST slots=N' lines")
+    p.add_argument("--launcher", choices=LAUNCHERS, default="mpirun")
+    p.add_argument("--backend", choices=BACKENDS, default="auto",
+                   help="communication backend for the ranks (exported as PLAIT_BACKEND)")
+    ctl = p.add_mutually_exclusive_group()
+    for name in CONTROLLERS:
+        ctl.add_argument(f"--{name}", dest="controller", action="store_const", const=name,
+                         help=f"horovodrun: use the {name} controller")
+    p.add_argument("--network-interface", metavar="IF",
+                   help="interface name(s) or CIDR subnet for MPI/Horovod traffic")
+    p.add_argument("--timeout", type=_positive_float, metavar="S",
+                   help="kill the job after S seconds and exit with status 124")
+    p.add_argument("--start-timeout", type=_positive_float, metavar="S",
+                   help="horovodrun: seconds to wait for all ranks to start")
+    p.add_argument("--oversubscribe", action="store_true", help="allow more ranks than slots")
+    p.add_argument("--tag-output", action="store_true", help="mpirun: prefix lines with the rank")
+    p.add_argument("-x", dest="env_vars", action="append", default=[], metavar="VAR[=VALUE]",
+                   help="forward (or set) an environment variable on every rank")
+    p.add_argument("--mca", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
+                   help="mpirun: extra MCA parameter")
+    p.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
+    return p
+
+
+def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
+    """Turn parsed ``plait run`` arguments into a :class:`LaunchSpec`.
+
+    Args:
+        args: the namespace returned by :func:`build_parser`.
+
+    Returns:
+        The validated spec (a hostfile is read here to count its slots).
+
+    Raises:
+        ConfigError: on a bad hostfile, host list, ``-np`` or option combination
+            (:class:`~plait.launch.hostfile.HostfileError` is one).
+    """
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        raise ConfigError("missing COMMAND: expected 'plait run [options] -- COMMAND [ARGS...]'")
+    hosts: list[HostSlots] = parse_hosts(args.hosts) if args.hosts is not None else []
+    hostfile = None
+    np = args.np
+    if args.hostfile is not None:
+        listed = parse_hostfile(args.hostfile)
+        hostfile = os.path.abspath(args.hostfile)
+        check_np(np if np is not None else total_slots(listed), listed, args.oversubscribe)
+        if np is None:
+            np = total_slots(listed)
+    return LaunchSpec(
+        command=tuple(command),
+        np=np,
+        hosts=tuple(hosts),
+        hostfile=hostfile,
+        launcher=args.launcher,
+        backend=args.backend,
+        controller=args.controller,
+        network_interface=args.network_interface,
+        timeout=args.timeout,
+        start_timeout=args.start_timeout,
+        oversubscribe=args.oversubscribe,
+        tag_output=args.tag_output,
+        env_vars=tuple(args.env_vars),
+        mca=tuple((k, v) for k, v in args.mca),
+    )
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _kill_group(pgid: int, proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGTERM the launcher's group, wait up to ``grace`` s, then SIGKILL what is left."""
+    _signal_group(pgid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+    _signal_group(pgid, signal.SIGKILL)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def run_command(
+    cmd: LaunchCommand, timeout: float | None = None, grace: float = KILL_GRACE_S
+) -> int:
+    """Run a launcher command in its own process group and wait for it.
+
+    Args:
+        cmd: the argv and environment additions.
+        timeout: seconds after which the group is killed; ``None`` waits for ever.
+        grace: seconds between SIGTERM and SIGKILL when killing.
+
+    Returns:
+        The launcher's exit status; 128 + N if it died of signal N, or if it failed
+        after plait forwarded signal N to it; 124 on timeout.
+
+    Raises:
+        FileNotFoundError: if the launcher is not installed.
+    """
+    env = {**os.environ, **cmd.env}
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd.argv, env=env, start_new_session=True)
+    pgid = proc.pid
+
+    received: list[int] = []
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        received.append(signum)
+        _signal_group(pgid, signum)
+
+    previous = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        try:
+            previous[sig] = signal.signal(sig, forward)
+        except ValueError:  # not the main thread: cannot install handlers
+            break
+    try:
+        while True:
+            remaining = None if timeout is None else timeout - (time.monotonic() - start)
+            try:
+                rc = proc.wait(timeout=None if remaining is None else max(remaining, 0.0))
+                break
+            except subprocess.TimeoutExpired:
+                _kill_group(pgid, proc, grace)
+                print(
+                    f"{_PROG}: the job ran longer than --timeout={timeout:g}s and was killed "
+                    f"(exit status {EXIT_TIMEOUT})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+                return EXIT_TIMEOUT
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if timeout is not None and rc != 0 and time.monotonic() - start >= timeout:
+        # mpirun's own --timeout fired at the same moment as ours.
+        print(f"{_PROG}: the job ran longer than --timeout={timeout:g}s", file=sys.stderr)
+        return EXIT_TIMEOUT
+    if rc < 0:
+        return 128 - rc
+    if rc != 0 and received:
+        return 128 + received[0]  # interrupted: report the signal, as a shell would
+    return rc
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``plait run``.
+
+    Args:
+        argv: arguments after ``run`` (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: the job's, 124 on timeout, 2 on bad arguments,
+        127 if the launcher is not installed.
+    """
+    parser = build_parser()
+    try:
+        args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    except SystemExit as exc:  # --help, or a usage error already printed by argparse
+        return exc.code if isinstance(exc.code, int) else 2
+    try:
+        spec = spec_from_args(args)
+    except ConfigError as exc:
+        print(f"{_PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    cmd = build_command(spec, os.environ, is_root=os.geteuid() == 0)
+    if args.dry_run:
+        print(cmd.shell())
+        return 0
+    try:
+        return run_command(cmd, spec.timeout)
+    except FileNotFoundError:
+        print(
+            f"{_PROG}: error: launcher {cmd.argv[0]!r} not found on PATH; install it "
+            "(Open MPI's mpirun: apt-get install openmpi-bin; horovodrun: pip install horovod) "
+            f"or choose another with --launcher {{{','.join(LAUNCHERS)}}}",
+            file=sys.stderr,
+        )
+        return 127
+
+
+if __name__ == "__main__":
+    sys.exit(main())
