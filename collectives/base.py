@@ -12,8 +12,8 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-
 from plait.adapters import ops_for
+
 from plait.errors import ConfigError, PlaitTypeError, invalid
 from plait.protocols import REDUCE_OPS, Handle, Tensor, TensorOps
 

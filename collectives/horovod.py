@@ -371,7 +371,6 @@ def _tf_value(x: Any) -> Any:
 
 def _tf_bitcast(x: Any, dtype: str) -> Any:
     import tensorflow as tf
-
     from plait.adapters.tensorflow import tf_dtype
 
     return tf.bitcast(x, tf_dtype(dtype))

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 from mpi4py import MPI
-
 from plait.adapters.numpy import bf16_to_f32, f32_to_bf16
+
 from plait.errors import CollectiveTimeoutError, MismatchError, invalid
 from plait.protocols import Handle, Tensor
 
@@ -167,7 +167,7 @@ class MPICommunicator(CommunicatorBase):
         dtype = ops.dtype_name(tensor)
         buf = ops.to_numpy(tensor)
         if buf.ndim == 0:
-            raise invalid("tensor", f"a 0-d tensor", "a tensor with at least one dimension")
+            raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
         self._verify(Call("allgather", buf.shape, dtype, name=name, ragged=True))
         rows = np.empty(self.size, dtype=np.int64)
         self.comm.Allgather(np.array([buf.shape[0]], dtype=np.int64), rows)

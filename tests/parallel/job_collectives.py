@@ -1,0 +1,199 @@
+"""Collectives on every rank, for every backend x framework (run by tests/test_jobs.py).
+
+Each rank contributes data that depends on its rank; the result is compared
+with the numpy reference computed locally from all ranks' inputs.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from plait.collectives.base import reducescatter_counts
+
+from plait.errors import CollectiveTimeoutError, ConfigError, MismatchError
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"]
+OPS = ["sum", "average", "min", "max", "product"]
+TOL = {"float16": 1e-2, "bfloat16": 2e-2, "float32": 1e-6, "float64": 1e-12}
+
+
+def data(rank: int, dtype: str, shape: tuple[int, ...] = (3, 4)) -> np.ndarray:
+    n = int(np.prod(shape))
+    if dtype == "bool":
+        return ((np.arange(n) + rank) % 3 == 0).reshape(shape)
+    vals = (np.arange(n) % 5 + rank + 1).astype(np.float64)
+    if dtype.startswith("float") or dtype == "bfloat16":
+        vals = vals * 0.5
+    return vals.reshape(shape)
+
+
+def reference(op: str, dtype: str, size: int, shape: tuple[int, ...] = (3, 4)) -> np.ndarray:
+    stack = np.stack([data(r, dtype, shape).astype(np.float64) for r in range(size)])
+    if op in ("sum", "average"):
+        out = stack.sum(0)
+        if op == "average":
+            out = out / size if dtype in TOL else np.trunc(out / size)
+    elif op == "min":
+        out = stack.min(0)
+    elif op == "max":
+        out = stack.max(0)
+    else:
+        out = stack.prod(0)
+    return out.astype(bool) if dtype == "bool" else out
+
+
+def close(got: np.ndarray, want: np.ndarray, dtype: str) -> None:
+    np.testing.assert_allclose(np.asarray(got, dtype=np.float64), want.astype(np.float64),
+                               rtol=TOL.get(dtype, 0), atol=TOL.get(dtype, 0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allreduce_sum_every_dtype(comm, fw, dtype):
+    x = fw.tensor(data(comm.rank, dtype), dtype)
+    out = fw.run(lambda t: comm.allreduce(t, op="sum"), x)
+    assert fw.numpy(out).shape == (3, 4)
+    close(fw.numpy(out), reference("sum", dtype, comm.size), dtype)
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", ["float32", "int32", "bfloat16"])
+def test_allreduce_ops(comm, fw, op, dtype):
+    x = fw.tensor(data(comm.rank, dtype), dtype)
+    out = comm.allreduce(x, op=op, name=f"ops.{op}.{dtype}")
+    close(fw.numpy(out), reference(op, dtype, comm.size), dtype)
+
+
+def test_allreduce_async_and_grouped(comm, efw):
+    xs = [efw.tensor(data(comm.rank, "float32", (k + 1,)), "float32") for k in range(4)]
+    handles = [comm.allreduce_async(x, op="sum") for x in xs]
+    outs = [h.wait() for h in handles]
+    assert all(h.done() for h in handles)
+    grouped = comm.grouped_allreduce(xs, op="sum")
+    for k, (a, b) in enumerate(zip(outs, grouped)):
+        close(efw.numpy(a), reference("sum", "float32", comm.size, (k + 1,)), "float32")
+        close(efw.numpy(b), reference("sum", "float32", comm.size, (k + 1,)), "float32")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_allgather_ragged(comm, fw, dtype):
+    rows = comm.rank + 1
+    x = fw.tensor(data(comm.rank, dtype, (rows, 2)), dtype)
+    out = fw.run(lambda t: comm.allgather(t), x)
+    want = np.concatenate([data(r, dtype, (r + 1, 2)) for r in range(comm.size)])
+    close(fw.numpy(out), want.astype(np.float64) if dtype != "bool" else want, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_broadcast_from_every_root(comm, fw, dtype):
+    for root in range(comm.size):
+        x = fw.tensor(data(comm.rank, dtype), dtype)
+        out = fw.run(lambda t, root=root: comm.broadcast(t, root=root), x)
+        want = data(root, dtype)
+        close(fw.numpy(out), want.astype(np.float64) if dtype != "bool" else want, dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "int64", "bool"])
+def test_alltoall_uneven_splits(comm, efw, dtype):
+    # rank r sends (r + d) % 2 + 1 rows to rank d
+    splits = [(comm.rank + d) % 2 + 1 for d in range(comm.size)]
+    x = efw.tensor(data(comm.rank, dtype, (sum(splits), 3)), dtype)
+    out, received = comm.alltoall(x, splits=splits)
+    want_splits = [(s + comm.rank) % 2 + 1 for s in range(comm.size)]
+    assert received == want_splits
+    parts = []
+    for s in range(comm.size):
+        theirs = [(s + d) % 2 + 1 for d in range(comm.size)]
+        start = sum(theirs[: comm.rank])
+        parts.append(data(s, dtype, (sum(theirs), 3))[start : start + theirs[comm.rank]])
+    close(efw.numpy(out), np.concatenate(parts), dtype)
+
+
+@pytest.mark.parametrize("op", ["sum", "average"])
+def test_reducescatter_uneven_rows(comm, efw, op):
+    rows = 2 * comm.size + 1
+    x = efw.tensor(data(comm.rank, "float32", (rows, 2)), "float32")
+    out = comm.reducescatter(x, op=op)
+    counts = reducescatter_counts(rows, comm.size)
+    start = sum(counts[: comm.rank])
+    want = reference(op, "float32", comm.size, (rows, 2))[start : start + counts[comm.rank]]
+    close(efw.numpy(out), want, "float32")
+
+
+def test_send_recv_ring(comm, efw):
+    if comm.backend == "horovod" and comm._mpi is None:
+        with pytest.raises(NotImplementedError, match="point-to-point"):
+            comm.send(efw.tensor(data(0, "float32")), 0)
+        return
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    x = efw.tensor(data(comm.rank, "float32"), "float32")
+    if comm.rank % 2 == 0:
+        comm.send(x, right, tag=7)
+        got = comm.recv(x, left, tag=7)
+    else:
+        got = comm.recv(x, left, tag=7)
+        comm.send(x, right, tag=7)
+    close(efw.numpy(got), data(left, "float32"), "float32")
+
+
+def test_split_into_even_and_odd(comm, fw):
+    sub = comm.split(comm.rank % 2, key=-comm.rank)
+    members = [r for r in range(comm.size) if r % 2 == comm.rank % 2]
+    assert sub.size == len(members)
+    assert sub.rank == sorted(members, reverse=True).index(comm.rank)
+    out = sub.allreduce(fw.tensor(np.array([float(comm.rank)]), "float32"), op="sum")
+    close(fw.numpy(out), np.array([float(sum(members))]), "float32")
+    root_world = sorted(members, reverse=True)[0]
+    got = sub.broadcast(fw.tensor(np.array([float(comm.rank)]), "float32"), root=0)
+    close(fw.numpy(got), np.array([float(root_world)]), "float32")
+
+
+def test_objects_and_topology(comm):
+    assert comm.broadcast_object({"from": comm.rank}, root=comm.size - 1) == {"from": comm.size - 1}
+    assert comm.allgather_object(("r", comm.rank)) == [("r", r) for r in range(comm.size)]
+    assert 0 <= comm.local_rank < comm.local_size == comm.size  # one host
+    assert comm.cross_size == 1
+
+
+@pytest.mark.parametrize("case", ["shape", "dtype", "op", "kind", "root"])
+def test_mismatch_raises_on_every_rank(comm, efw, case):
+    odd = comm.rank == comm.size - 1
+    x = efw.tensor(data(0, "float32", (4,) if not (case == "shape" and odd) else (5,)),
+                  "float64" if case == "dtype" and odd else "float32")
+    with pytest.raises(MismatchError) as info:
+        if case == "kind" and odd:
+            comm.broadcast(x, root=0)
+        elif case == "root":
+            comm.broadcast(x, root=1 if odd else 0)
+        else:
+            comm.allreduce(x, op="max" if case == "op" and odd else "sum")
+    text = str(info.value)
+    assert f"rank {comm.size - 1}:" in text and "rank 0:" in text
+    # the communicator is still usable afterwards
+    close(efw.numpy(comm.allreduce(efw.tensor(np.ones(2), "float32"), op="sum")),
+          np.full(2, comm.size), "float32")
+
+
+def test_bad_arguments_name_the_value(comm, efw):
+    fw = efw
+    x = fw.tensor(np.ones(3), "float32")
+    with pytest.raises(ConfigError, match="op='mean'.*sum"):
+        comm.allreduce(x, op="mean")
+    with pytest.raises(ConfigError, match="root=99"):
+        comm.broadcast(x, root=99)
+    with pytest.raises(ConfigError, match="splits"):
+        comm.alltoall(fw.tensor(np.ones((3, 1)), "float32"), splits=[5] * comm.size)
+
+
+def test_missing_rank_times_out_instead_of_hanging(comm):
+    sub = comm.split(0, comm.rank)
+    sub.timeout = 1.0
+    if sub.rank == 0:
+        start = time.monotonic()
+        with pytest.raises(CollectiveTimeoutError, match="waited 1s"):
+            sub.barrier()
+        assert time.monotonic() - start < 30
+    else:
+        time.sleep(3.0)
+        sub.barrier()  # completes the barrier rank 0 gave up on
