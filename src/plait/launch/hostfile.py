@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from plait.errors import ConfigError
@@ -133,13 +133,17 @@ def _parse_slots(value: str) -> int | str:
 
 
 def _check_duplicates(
-    entries: Sequence[tuple[HostSlots, int, str]], source: str, what: str, fmt: str
+    entries: Sequence[tuple[HostSlots, int, str]],
+    source: str,
+    locate: Callable[[int, str], str],
+    what: str,
+    fmt: str,
 ) -> None:
     seen: dict[str, int] = {}
     for entry, number, text in entries:
         if entry.host in seen:
             raise HostfileError(
-                f"{source}:{number}: {text!r}: host {entry.host!r} is listed twice "
+                f"{locate(number, text)}: host {entry.host!r} is listed twice "
                 f"(first at {what} {seen[entry.host]}); give each host once with its total "
                 f"slots; expected {fmt}",
                 source,
@@ -179,8 +183,8 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[HostSlots
             )
 
         host, *options = line.split()
-        if ":" in host and validate_host(host.split(":", 1)[0]) is None:
-            head, _, tail = host.partition(":")
+        head, _, tail = host.partition(":")
+        if tail.isdigit() and validate_host(head) is None:
             raise fail(f"'HOST:N' is only accepted by -H; write '{head} slots={tail}' here")
         problem = validate_host(host)
         if problem is not None:
@@ -204,7 +208,9 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[HostSlots
             f"{source}: no hosts found (only comments or blank lines); expected {HOSTFILE_FORMAT}",
             source,
         )
-    _check_duplicates(entries, source, "line", HOSTFILE_FORMAT)
+    _check_duplicates(
+        entries, source, lambda n, t: f"{source}:{n}: {t!r}", "line", HOSTFILE_FORMAT
+    )
     return [entry for entry, _, _ in entries]
 
 
@@ -272,7 +278,10 @@ def parse_hosts(spec: str, source: str = "-H") -> list[HostSlots]:
                 raise fail(parsed)
             slots = parsed
         entries.append((HostSlots(host, slots), number, item))
-    _check_duplicates(entries, source, "item", HOSTS_FORMAT)
+    _check_duplicates(
+        entries, source, lambda n, t: f"invalid {source}={spec!r}: item {n} {t!r}", "item",
+        HOSTS_FORMAT,
+    )
     return [entry for entry, _, _ in entries]
 
 
