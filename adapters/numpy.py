@@ -115,5 +115,33 @@ class NumpyOps:
         bounds = np.cumsum(list(sizes))[:-1]
         return list(np.split(x, bounds, axis=axis))
 
+    def uniform(self, shape: Sequence[int], seed: int, like: Any) -> np.ndarray:
+        return np.random.default_rng(seed).random(tuple(shape), dtype=np.float32)
+
+    def floor(self, x: Any) -> np.ndarray:
+        return np.floor(x)
+
+    def sum(self, x: Any) -> np.ndarray:
+        return np.asarray(np.sum(x))
+
+    def amax(self, x: Any) -> np.ndarray:
+        return np.asarray(np.max(x))
+
+    def clamp_min(self, x: Any, value: float) -> np.ndarray:
+        a = np.asarray(x)
+        return np.maximum(a, np.asarray(value, dtype=a.dtype))
+
+    def transpose(self, x: Any) -> np.ndarray:
+        return np.ascontiguousarray(np.asarray(x).T)
+
+    def nonzero(self, x: Any) -> np.ndarray:
+        return np.flatnonzero(x).astype(np.int64)
+
+    def packbits(self, bits: Any) -> np.ndarray:
+        return np.packbits(np.asarray(bits, dtype=bool).ravel())
+
+    def unpackbits(self, packed: Any, count: int) -> np.ndarray:
+        return np.unpackbits(np.asarray(packed, dtype=np.uint8), count=count).astype(bool)
+
 
 OPS = NumpyOps()

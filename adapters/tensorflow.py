@@ -130,6 +130,41 @@ class TFOps:
     def split(self, x: Any, sizes: Sequence[int], axis: int = 0) -> list[tf.Tensor]:
         return list(tf.split(unwrap(x), list(sizes), axis=axis))
 
+    def uniform(self, shape: Sequence[int], seed: int, like: Any) -> tf.Tensor:
+        pair = tf.constant([int(seed) & 0x7FFFFFFF, (int(seed) >> 31) & 0x7FFFFFFF], dtype=tf.int64)
+        return tf.random.stateless_uniform(tuple(shape), seed=pair, dtype=tf.float32)
+
+    def floor(self, x: Any) -> tf.Tensor:
+        return tf.floor(unwrap(x))
+
+    def sum(self, x: Any) -> tf.Tensor:
+        return tf.reduce_sum(unwrap(x))
+
+    def amax(self, x: Any) -> tf.Tensor:
+        return tf.reduce_max(unwrap(x))
+
+    def clamp_min(self, x: Any, value: float) -> tf.Tensor:
+        x = unwrap(x)
+        return tf.maximum(x, tf.constant(value, dtype=x.dtype))
+
+    def transpose(self, x: Any) -> tf.Tensor:
+        return tf.transpose(unwrap(x))
+
+    def nonzero(self, x: Any) -> tf.Tensor:
+        return tf.reshape(tf.where(tf.reshape(unwrap(x), [-1])), [-1])
+
+    def packbits(self, bits: Any) -> tf.Tensor:
+        flat = tf.cast(tf.reshape(unwrap(bits), [-1]), tf.int32)
+        flat = tf.pad(flat, [[0, (-int(flat.shape[0])) % 8]])
+        weights = tf.constant([128, 64, 32, 16, 8, 4, 2, 1], dtype=tf.int32)
+        return tf.cast(tf.reduce_sum(tf.reshape(flat, [-1, 8]) * weights, axis=1), tf.uint8)
+
+    def unpackbits(self, packed: Any, count: int) -> tf.Tensor:
+        shifts = tf.constant([7, 6, 5, 4, 3, 2, 1, 0], dtype=tf.int32)
+        wide = tf.reshape(tf.cast(unwrap(packed), tf.int32), [-1, 1])
+        bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(wide, shifts), 1)
+        return tf.cast(tf.reshape(bits, [-1])[:count], tf.bool)
+
 
 def collective_function(
     forward: Callable[[tf.Tensor], tf.Tensor],

@@ -120,6 +120,40 @@ class TorchOps:
     def split(self, x: torch.Tensor, sizes: Sequence[int], axis: int = 0) -> list[torch.Tensor]:
         return list(torch.split(x, list(sizes), dim=axis))
 
+    def uniform(self, shape: Sequence[int], seed: int, like: torch.Tensor) -> torch.Tensor:
+        gen = torch.Generator(device=like.device)
+        gen.manual_seed(int(seed))
+        return torch.rand(tuple(shape), generator=gen, device=like.device, dtype=torch.float32)
+
+    def floor(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.floor(x)
+
+    def sum(self, x: torch.Tensor) -> torch.Tensor:
+        return x.sum()
+
+    def amax(self, x: torch.Tensor) -> torch.Tensor:
+        return x.amax()
+
+    def clamp_min(self, x: torch.Tensor, value: float) -> torch.Tensor:
+        return x.clamp_min(value)
+
+    def transpose(self, x: torch.Tensor) -> torch.Tensor:
+        return x.t()
+
+    def nonzero(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nonzero(x.reshape(-1)).reshape(-1)
+
+    def packbits(self, bits: torch.Tensor) -> torch.Tensor:
+        flat = bits.reshape(-1).to(torch.int32)
+        flat = torch.nn.functional.pad(flat, (0, (-flat.numel()) % 8))
+        weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.int32, device=bits.device)
+        return (flat.reshape(-1, 8) * weights).sum(1).to(torch.uint8)
+
+    def unpackbits(self, packed: torch.Tensor, count: int) -> torch.Tensor:
+        shifts = torch.arange(7, -1, -1, dtype=torch.int32, device=packed.device)
+        bits = (packed.reshape(-1, 1).to(torch.int32) >> shifts) & 1
+        return bits.reshape(-1)[:count].to(torch.bool)
+
 
 def collective_function(
     forward: Callable[[torch.Tensor], torch.Tensor],

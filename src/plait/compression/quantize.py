@@ -1,0 +1,124 @@
+"""Stochastic quantisers, unbiased: QSGD and TernGrad (allgather path).
+
+Each element is rounded up or down at random with the probabilities that make
+the decode equal to the tensor in expectation. The random draws come from a
+:class:`~plait.compression.base.SeedStream`: give a ``seed`` for reproducible
+draws (use a different one per rank, e.g. ``seed=1000 + rank``, or the ranks'
+rounding errors are correlated), or leave it None for fresh entropy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from plait.adapters import ops_for
+from plait.errors import invalid
+from plait.protocols import Tensor, TensorOps
+
+from .base import Compressor, SeedStream, compute_dtype, prepare, restore
+
+__all__ = ["QSGD", "TernGrad"]
+
+#: Divisor floor: a zero tensor has zero norm and scale.
+_TINY = 1e-30
+
+
+def _bernoulli(ops: TensorOps, p: Tensor, seed: int, like: Tensor, dtype: str) -> Tensor:
+    """1.0 with probability ``p`` (element-wise), else 0.0, in ``dtype``."""
+    u = ops.cast(ops.uniform(ops.shape(like), seed, like), dtype)
+    return ops.cast(u < p, dtype)
+
+
+class QSGD(Compressor):
+    """QSGD (Alistarh et al. 2017): ``norm * sign(x) * q / levels``, ``q`` in ``0..levels``.
+
+    Payload: ``[norm (1 element), signed levels]``, the levels as int8 for up to
+    127 levels (int16 up to 32767, else int32).
+
+    Args:
+        levels: number of quantisation levels ``s`` >= 1.
+        seed: base seed of the random rounding, or None.
+
+    Raises:
+        ConfigError: for levels < 1 or a bad seed.
+    """
+
+    def __init__(self, levels: int = 127, seed: int | None = None) -> None:
+        if isinstance(levels, bool) or not isinstance(levels, int) or not 1 <= levels < 2**31:
+            raise invalid("levels", levels, "an int number of quantisation levels >= 1")
+        self.levels = levels
+        self.seed = seed
+        self._seeds = SeedStream(seed)
+        self._code = "int8" if levels <= 127 else "int16" if levels <= 32767 else "int32"
+
+    def compress(self, tensor: Tensor, name: str) -> tuple[list[Tensor], Any]:
+        """Quantise ``tensor`` to signed levels of its norm.
+
+        Args:
+            tensor: a floating tensor.
+            name: its name.
+
+        Returns:
+            ``([norm, codes], ctx)``.
+
+        Raises:
+            PlaitTypeError: for a non-floating tensor.
+        """
+        ops, flat, ctx = prepare(tensor, name, self)
+        dtype = compute_dtype(ctx.dtype)
+        norm = ops.norm(flat)
+        scaled = ops.abs(flat) / ops.clamp_min(norm, _TINY) * self.levels
+        low = ops.floor(scaled)
+        q = low + _bernoulli(ops, scaled - low, self._seeds.next(name), flat, dtype)
+        q = self.levels - ops.clamp_min(self.levels - q, 0.0)  # rounding never exceeds s
+        return [ops.reshape(norm, [1]), ops.cast(q * ops.sign(flat), self._code)], ctx
+
+    def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
+        """``norm / levels * codes``, in the original dtype and shape."""
+        ops = ops_for(payload[1])
+        dtype = compute_dtype(ctx.dtype)
+        return restore(ops, ops.cast(payload[1], dtype) * (payload[0] / self.levels), ctx)
+
+
+class TernGrad(Compressor):
+    """TernGrad (Wen et al. 2017): ``max|x| * sign(x) * b``, ``b ~ Bernoulli(|x| / max|x|)``.
+
+    Payload: ``[scale (1 element), ternary codes as int8]``. (The paper's
+    optional gradient clipping is left to the optimiser.)
+
+    Args:
+        seed: base seed of the random rounding, or None.
+
+    Raises:
+        ConfigError: for a bad seed.
+    """
+
+    def __init__(self, seed: int | None = None) -> None:
+        self.seed = seed
+        self._seeds = SeedStream(seed)
+
+    def compress(self, tensor: Tensor, name: str) -> tuple[list[Tensor], Any]:
+        """Quantise ``tensor`` to ``{-1, 0, 1}`` times its largest magnitude.
+
+        Args:
+            tensor: a floating tensor.
+            name: its name.
+
+        Returns:
+            ``([scale, codes], ctx)``.
+
+        Raises:
+            PlaitTypeError: for a non-floating tensor.
+        """
+        ops, flat, ctx = prepare(tensor, name, self)
+        dtype = compute_dtype(ctx.dtype)
+        mag = ops.abs(flat)
+        scale = ops.amax(mag) if ctx.numel else ops.zeros([], dtype, flat)
+        keep = _bernoulli(ops, mag / ops.clamp_min(scale, _TINY), self._seeds.next(name), flat, dtype)
+        return [ops.reshape(scale, [1]), ops.cast(keep * ops.sign(flat), "int8")], ctx
+
+    def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
+        """``scale * codes``, in the original dtype and shape."""
+        ops = ops_for(payload[1])
+        return restore(ops, ops.cast(payload[1], compute_dtype(ctx.dtype)) * payload[0], ctx)
