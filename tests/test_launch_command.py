@@ -144,8 +144,14 @@ def test_dry_run_np_from_hosts(capsys: pytest.CaptureFixture[str]) -> None:
 def test_dry_run_hostfile(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     hostfile = tmp_path / "hosts"
     hostfile.write_text("a slots=2\nb slots=2\n")
+    argv = dry_run(capsys, "--hostfile", str(hostfile), "--", "x")
+    assert argv[1:6] == ["mpirun", "-np", "4", "--allow-run-as-root", "--hostfile"] or argv[
+        1:5] == ["mpirun", "-np", "4", "--hostfile"]
+    assert argv[argv.index("--hostfile") + 1] == str(hostfile)
+    # horovodrun's hostfile reader fails on comments and bare names: plait passes -H
+    hostfile.write_text("# two hosts\na slots=2\nb\n")
     argv = dry_run(capsys, "--hostfile", str(hostfile), "--launcher", "horovodrun", "--", "x")
-    assert argv[1:6] == ["horovodrun", "-np", "4", "--hostfile", str(hostfile)]
+    assert argv[1:6] == ["horovodrun", "-np", "3", "-H", "a:2,b:1"]
 
 
 def test_bad_arguments_exit_2(capsys: pytest.CaptureFixture[str]) -> None:

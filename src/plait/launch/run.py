@@ -112,7 +112,9 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         args: the namespace returned by :func:`build_parser`.
 
     Returns:
-        The validated spec (a hostfile is read here to count its slots).
+        The validated spec. A hostfile is read here (to check it and count its
+        slots); horovodrun gets its hosts as ``-H``, since its own reader does not
+        understand comments or bare host names.
 
     Raises:
         ConfigError: on a bad hostfile, host list, ``-np`` or option combination
@@ -128,10 +130,14 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
     np = args.np
     if args.hostfile is not None:
         listed = parse_hostfile(args.hostfile)
-        hostfile = os.path.abspath(args.hostfile)
         check_np(np if np is not None else total_slots(listed), listed, args.oversubscribe)
         if np is None:
             np = total_slots(listed)
+        if args.launcher == "horovodrun":
+            # horovodrun's own hostfile reader fails on comments and bare host names.
+            hosts = listed
+        else:
+            hostfile = os.path.abspath(args.hostfile)
     return LaunchSpec(
         command=tuple(command),
         np=np,
@@ -150,21 +156,53 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
     )
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def _descendants(pid: int) -> list[int]:
+    """Every live descendant of ``pid`` (from /proc; empty where there is no /proc).
+
+    mpirun puts its ssh/rsh agents in process groups of their own, so killing
+    its group alone can leave them, and the remote daemons behind them, running.
+    """
+    children: dict[int, list[int]] = {}
     try:
-        os.killpg(pgid, sig)
-    except ProcessLookupError:
-        pass
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in entries:
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found: list[int] = []
+    todo = [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _signal_group(pgid: int, sig: int, others: Sequence[int] = ()) -> None:
+    for target in (-pgid, *others):
+        try:
+            os.kill(target, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
 
 
 def _kill_group(pgid: int, proc: subprocess.Popen[bytes], grace: float) -> None:
-    """SIGTERM the launcher's group, wait up to ``grace`` s, then SIGKILL what is left."""
-    _signal_group(pgid, signal.SIGTERM)
+    """SIGTERM the launcher's group and process tree, wait ``grace`` s, SIGKILL what is left."""
+    tree = _descendants(proc.pid)
+    _signal_group(pgid, signal.SIGTERM, tree)
     try:
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:
         pass
-    _signal_group(pgid, signal.SIGKILL)
+    tree += [pid for pid in _descendants(proc.pid) if pid not in tree]
+    _signal_group(pgid, signal.SIGKILL, tree)
     try:
         proc.wait(timeout=grace)
     except subprocess.TimeoutExpired:

@@ -66,15 +66,15 @@ _counter = itertools.count()
 # AGENT [ssh options] HOST [COMMAND...]. Unknown hosts are refused.
 _AGENT = """#!/bin/sh
 # rsh/ssh agent for plait emulated hosts {prefix}: AGENT [ssh-options] HOST [COMMAND...]
+# ssh options may come before and after HOST (horovodrun puts some after it).
+host=
 while [ $# -gt 0 ]; do
   case "$1" in
     -o|-p|-i|-l|-F|-E|-J|-b|-c|-m) [ $# -ge 2 ] && shift 2 || shift ;;
     -*) shift ;;
-    *) break ;;
+    *) [ -n "$host" ] && break; host=$1; shift ;;
   esac
 done
-host=$1
-[ $# -gt 0 ] && shift
 case "$host" in
 {cases}
   *) echo "plait emulated-host agent: unknown host '$host' (known: {known})" >&2; exit 255 ;;
@@ -145,6 +145,16 @@ def _remove_namespace(ns: str) -> None:
     _kill_namespace(ns)
     _run(["ip", "netns", "del", ns], check=False)
     shutil.rmtree(os.path.join("/etc/netns", ns), ignore_errors=True)
+    _remove_session_dirs(ns)
+
+
+def _remove_session_dirs(host: str) -> None:
+    """Remove Open MPI session directories (``ompi.HOST.UID``) of an emulated host."""
+    for tmp in {tempfile.gettempdir(), "/tmp"}:
+        with contextlib.suppress(OSError):
+            for name in os.listdir(tmp):
+                if name.startswith(f"ompi.{host}."):
+                    shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
 
 
 def _ensure_blackhole(cidr: str) -> None:
@@ -454,6 +464,24 @@ class EmulatedHosts:
                 raise subprocess.TimeoutExpired(cmd, timeout, out, err) from None
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
+    def popen(self, host: str, argv: Sequence[str], **kwargs: Any) -> subprocess.Popen[str]:
+        """Start ``argv`` on ``host`` in a new session (kill it with ``os.killpg``).
+
+        Args:
+            host: one of :attr:`hosts`.
+            argv: the program and its arguments.
+            **kwargs: passed to :class:`subprocess.Popen`; ``text=True`` is set.
+
+        Returns:
+            The running process (leader of its own process group).
+
+        Raises:
+            ConfigError: if ``host`` is unknown.
+        """
+        return subprocess.Popen(
+            self.command(host, argv), text=True, start_new_session=True, **kwargs
+        )
+
     def link_down(self, host: str) -> None:
         """Unplug ``host`` from the bridge (its bridge port goes down).
 
@@ -522,6 +550,12 @@ def cleanup(prefix: str = NAME_PREFIX, force: bool = False) -> list[str]:
             if _NAME_RE.match(entry) and entry.startswith(prefix) and entry not in _namespaces():
                 shutil.rmtree(os.path.join("/etc/netns", entry), ignore_errors=True)
         subnets = {"10.77.0.0/24"}
+        live = {ns for ns in _namespaces() if _NAME_RE.match(ns)}
+        for tmp in {tempfile.gettempdir(), "/tmp"}:
+            for name in os.listdir(tmp) if os.path.isdir(tmp) else []:
+                host = name.split(".")[1] if name.count(".") >= 2 else ""
+                if name.startswith(f"ompi.{prefix}") and _NAME_RE.match(host) and host not in live:
+                    shutil.rmtree(os.path.join(tmp, name), ignore_errors=True)
         for path in _work_dirs(prefix):
             subnets.add(_work_dir_subnet(path) or "10.77.0.0/24")
             m = re.match(r"plait-(\d+)-", os.path.basename(path))
