@@ -61,6 +61,7 @@ class NoMemory:
         self, tensor: Tensor, name: str, compressor: Compressor, payload: Sequence[Tensor], ctx: Any
     ) -> None:
         """Do nothing."""
+        return None
 
     def __repr__(self) -> str:
         return "NoMemory()"

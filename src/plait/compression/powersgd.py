@@ -69,7 +69,7 @@ class PowerSGD(Compressor):
 
     def _start_q(self, ops: TensorOps, name: str, m: int, r: int, like: Tensor, dtype: str) -> Tensor:
         held = self.q.get(name)
-        if self.warm_start and held is not None and ops.shape(held) == (m, r):
+        if self.warm_start and held is not None and ops.owns(held) and ops.shape(held) == (m, r):
             return held
         return ops.cast(ops.uniform([m, r], self._seeds.next(name), like), dtype) - 0.5
 

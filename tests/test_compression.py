@@ -1,0 +1,311 @@
+"""Compressors and error feedback in one process, once per framework (numpy, torch, TensorFlow)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from plait.collectives.base import Done
+
+from plait.compression import (
+    BF16,
+    FP16,
+    QSGD,
+    Compression,
+    EFSignSGD,
+    NoMemory,
+    NoneCompressor,
+    OneBit,
+    PowerSGD,
+    RandomK,
+    Residual,
+    SignSGD,
+    TernGrad,
+    Threshold,
+    TopK,
+    WireStats,
+    compressed_allreduce,
+    resolve_compressor,
+    resolve_memory,
+)
+from plait.errors import ConfigError, PlaitTypeError
+
+FRAMEWORKS = ["numpy", "torch", "tensorflow"]
+
+
+def tensor(fw: str, a: np.ndarray) -> Any:
+    if fw == "torch":
+        import torch
+
+        return torch.from_numpy(np.array(a))
+    if fw == "tensorflow":
+        import tensorflow as tf
+
+        return tf.convert_to_tensor(np.array(a))
+    return np.array(a)
+
+
+def arr(t: Any) -> np.ndarray:
+    if hasattr(t, "detach"):
+        t = t.detach()
+        if str(t.dtype) == "torch.bfloat16":
+            t = t.float()
+        return t.numpy()
+    if hasattr(t, "numpy"):
+        return np.asarray(t.numpy()).astype(np.float64) if "bfloat16" in str(t.dtype) else t.numpy()
+    a = np.asarray(t)
+    return a.astype(np.float64) if a.dtype.name == "bfloat16" else a
+
+
+class SelfComm:
+    """A communicator of one rank: enough to drive compressed_allreduce in one process."""
+
+    backend, rank, size = "self", 0, 1
+
+    def allreduce(self, t: Any, op: str = "average", name: str | None = None) -> Any:
+        return t
+
+    def grouped_allreduce(self, ts: Any, op: str = "average", name: str | None = None) -> Any:
+        return list(ts)
+
+    def allgather(self, t: Any, name: str | None = None) -> Any:
+        return t
+
+    def allgather_async(self, t: Any, name: str | None = None) -> Done:
+        return Done(t)
+
+
+LOSSY = {
+    "TopK": lambda: TopK(0.3), "RandomK": lambda: RandomK(0.3, seed=1),
+    "Threshold": lambda: Threshold(0.5), "QSGD": lambda: QSGD(4, seed=2),
+    "TernGrad": lambda: TernGrad(seed=3), "SignSGD": SignSGD, "EFSignSGD": EFSignSGD,
+    "OneBit": OneBit, "PowerSGD": lambda: PowerSGD(1), "FP16": FP16, "BF16": BF16,
+}
+
+
+def normal(shape: tuple[int, ...], seed: int = 0, dtype: str = "float32") -> np.ndarray:
+    return np.random.default_rng(seed).standard_normal(shape).astype(dtype)
+
+
+# -- round trips -------------------------------------------------------------------------------
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("dtype", ["float32", "float64", "int32"])
+def test_none_is_exact(fw, dtype):
+    x = (normal((3, 5)) * 10).astype(dtype)
+    c = NoneCompressor()
+    payload, ctx = c.compress(tensor(fw, x), "w")
+    out = c.decompress(payload, ctx)
+    assert arr(out).dtype == x.dtype
+    np.testing.assert_array_equal(arr(out), x)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("compressor,mantissa", [(FP16(), 10), (BF16(), 7)])
+def test_half_precision_round_trip_within_rounding(fw, compressor, mantissa):
+    x = normal((4, 7), seed=1) * 3
+    payload, ctx = compressor.compress(tensor(fw, x), "w")
+    out = arr(compressor.decompress(payload, ctx))
+    assert out.dtype == np.float32 and out.shape == x.shape
+    # round to nearest: error at most half a unit in the last place
+    assert np.all(np.abs(out - x) <= np.abs(x) * 2.0 ** -(mantissa + 1))
+    assert not np.array_equal(out, x)  # it really was rounded
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_topk_keeps_exactly_the_k_largest_magnitudes(fw):
+    rng = np.random.default_rng(3)
+    x = (rng.permutation(40) + 1.0) * rng.choice([-1.0, 1.0], 40)
+    x = x.reshape(5, 8).astype(np.float32)
+    c = TopK(0.25)
+    payload, ctx = c.compress(tensor(fw, x), "w")
+    assert [arr(p).size for p in payload] == [10, 10]
+    out = arr(c.decompress(payload, ctx))
+    largest = np.argsort(-np.abs(x).ravel())[:10]
+    assert set(np.flatnonzero(out)) == set(largest)
+    np.testing.assert_array_equal(out.ravel()[largest], x.ravel()[largest])
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_threshold_sends_what_is_above_tau(fw):
+    x = np.array([0.1, -2.0, 0.5, 0.7, -0.6, 0.0], dtype=np.float32)
+    c = Threshold(0.6)
+    payload, ctx = c.compress(tensor(fw, x), "w")
+    np.testing.assert_array_equal(arr(c.decompress(payload, ctx)), x * (np.abs(x) > 0.6))
+    empty, ctx = Threshold(5.0).compress(tensor(fw, x), "w")
+    assert arr(empty[0]).size == 0
+    np.testing.assert_array_equal(arr(c.decompress(empty, ctx)), np.zeros(6))
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_sign_family_decodes(fw):
+    x = np.array([[1.5, -0.5], [0.0, -3.0]], dtype=np.float32)
+    p, ctx = SignSGD().compress(tensor(fw, x), "w")
+    assert arr(p[0]).dtype == np.uint8 and arr(p[0]).size == 1  # 4 bits in one byte
+    np.testing.assert_array_equal(arr(SignSGD().decompress(p, ctx)), [[1, -1], [1, -1]])
+    p, ctx = EFSignSGD().compress(tensor(fw, x), "w")
+    np.testing.assert_allclose(arr(EFSignSGD().decompress(p, ctx)), [[1.25, -1.25], [1.25, -1.25]])
+    p, ctx = OneBit().compress(tensor(fw, x), "w")
+    np.testing.assert_allclose(arr(OneBit().decompress(p, ctx)), [[0.75, -1.75], [0.75, -1.75]])
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_packbits_matches_numpy_bit_order(fw):
+    from plait.adapters import ops_for
+
+    bits = np.random.default_rng(4).random(21) < 0.5
+    t = tensor(fw, bits)
+    ops = ops_for(t)
+    packed = ops.packbits(t)
+    np.testing.assert_array_equal(arr(packed), np.packbits(bits))
+    np.testing.assert_array_equal(arr(ops.unpackbits(packed, 21)), bits)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_powersgd_is_exact_on_low_rank_and_passes_vectors(fw):
+    rng = np.random.default_rng(5)
+    m = (rng.standard_normal((12, 2)) @ rng.standard_normal((2, 10))).astype(np.float64)
+    c = PowerSGD(rank=2)
+    payload, ctx = c.compress(tensor(fw, m), "w")
+    assert [arr(p).size for p in payload] == [24, 20]
+    np.testing.assert_allclose(arr(c.decompress(payload, ctx)), m, atol=1e-9)
+    bias = normal((7,))
+    payload, ctx = c.compress(tensor(fw, bias), "b")
+    np.testing.assert_array_equal(arr(c.decompress(payload, ctx)), bias)
+
+
+# -- unbiasedness ------------------------------------------------------------------------------
+def _mean_of_draws(fw: str, compressor: Any, x: np.ndarray, draws: int) -> np.ndarray:
+    t = tensor(fw, x)
+    total = np.zeros_like(x, dtype=np.float64)
+    for _ in range(draws):
+        payload, ctx = compressor.compress(t, "w")
+        total += arr(compressor.decompress(payload, ctx))
+    return total / draws
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("kind", ["qsgd", "terngrad", "randomk"])
+def test_stochastic_compressors_are_unbiased(fw, kind):
+    x = np.array([0.9, -0.35, 0.1, -1.2, 0.55, 0.0, 2.0, -0.8], dtype=np.float64)
+    draws = 800
+    if kind == "qsgd":
+        c: Any = QSGD(levels=2, seed=11)
+        std = np.full(8, np.linalg.norm(x) / 2 / 2)        # (norm / s) * sqrt(p(1-p)) <= .. / 2
+    elif kind == "terngrad":
+        c = TernGrad(seed=12)
+        std = np.full(8, np.abs(x).max() / 2)
+    else:
+        c = RandomK(0.5, seed=13)
+        std = np.abs(x)                                      # x * sqrt(n/k - 1)
+    got = _mean_of_draws(fw, c, x, draws)
+    # 6 standard deviations of the mean of `draws` draws: a fair coin cannot fail this
+    np.testing.assert_array_less(np.abs(got - x), 6 * std / np.sqrt(draws) + 1e-12)
+    single = arr(c.decompress(*c.compress(tensor(fw, x), "w")))
+    assert not np.allclose(single, x)  # each draw is lossy; only the mean is exact
+
+
+def test_seeded_draws_repeat_and_unseeded_differ():
+    x = normal((50,), seed=6)
+    a = [arr(QSGD(3, seed=7).compress(x, "w")[0][1]) for _ in range(2)]
+    np.testing.assert_array_equal(a[0], a[1])
+    b = [arr(QSGD(3).compress(x, "w")[0][1]) for _ in range(2)]
+    assert not np.array_equal(b[0], b[1])
+
+
+# -- error feedback ----------------------------------------------------------------------------
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("kind", LOSSY)
+def test_error_feedback_accumulates_exactly_what_was_dropped(fw, kind):
+    compressor = LOSSY[kind]()
+    memory = Residual()
+    total_in = np.zeros((6, 5))
+    total_sent = np.zeros((6, 5))
+    for step in range(5):
+        g = normal((6, 5), seed=100 + step, dtype="float64")
+        total_in += g
+        c = memory.compensate(tensor(fw, g), "layer.w")
+        payload, ctx = compressor.compress(c, "layer.w")
+        memory.update(c, "layer.w", compressor, payload, ctx)
+        total_sent += arr(compressor.decompress(payload, ctx))
+    residual = arr(memory.residuals["layer.w"])
+    np.testing.assert_allclose(total_sent + residual, total_in, rtol=0, atol=1e-12)
+    assert np.abs(residual).max() > 0  # something was held back
+
+
+def test_residual_weights_and_reset():
+    m = Residual(beta=0.5, gamma=2.0)
+    m.residuals["w"] = np.ones(2)
+    np.testing.assert_array_equal(m.compensate(np.array([1.0, 3.0]), "w"), [2.5, 6.5])
+    m.reset()
+    np.testing.assert_array_equal(m.compensate(np.array([1.0, 3.0]), "w"), [2.0, 6.0])
+    np.testing.assert_array_equal(NoMemory().compensate(np.ones(2), "w"), np.ones(2))
+
+
+# -- compressed_allreduce on one rank, and what it counts ---------------------------------------
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_compressed_allreduce_counts_bytes(fw):
+    x = tensor(fw, normal((20, 20)))  # 1600 bytes of float32
+    stats = WireStats()
+    out = compressed_allreduce(SelfComm(), x, "w", FP16(), stats=stats)
+    np.testing.assert_allclose(arr(out), arr(x), rtol=1e-3)
+    assert (stats.last_call.sent, stats.last_call.raw) == (800, 1600)
+    compressed_allreduce(SelfComm(), x, "w", TopK(0.25), Residual(), stats=stats)
+    assert stats.last_call.sent == 100 * 4 + 100 * 4  # float32 values + int32 positions
+    compressed_allreduce(SelfComm(), x, "w", SignSGD(), stats=stats)
+    assert stats.last_call.sent == 50 and stats.last_call.ratio == 32
+    compressed_allreduce(SelfComm(), x, "w", Threshold(100.0), stats=stats)
+    assert stats.last_call.sent == 16  # two empty entries and their two int64 lengths
+    step = stats.end_step()
+    assert step.calls == 4 and step.raw == 4 * 1600 and stats.current.calls == 0
+    assert stats.ratio == pytest.approx(6400 / (800 + 800 + 50 + 16))
+    assert stats.by_name["w"].calls == 4 and len(stats.steps) == 1
+
+
+def test_compressed_allreduce_inside_tf_function():
+    import tensorflow as tf
+
+    x = tf.constant(normal((3, 4)))
+    fp16 = tf.function(lambda t: compressed_allreduce(SelfComm(), t, "w", Compression.fp16))
+    np.testing.assert_allclose(fp16(x).numpy(), x.numpy(), rtol=1e-3)
+    topk = tf.function(lambda t: compressed_allreduce(SelfComm(), t, "w", TopK(0.5)), autograph=False)
+    with pytest.raises(PlaitTypeError, match="eager"):
+        topk(x)
+
+
+# -- bad input ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("make,match", [
+    (lambda: TopK(0), "ratio=0"), (lambda: TopK(1.5), "ratio=1.5"), (lambda: TopK(-0.1), "ratio"),
+    (lambda: TopK("half"), "ratio='half'"), (lambda: RandomK(0.0), "ratio=0.0"),
+    (lambda: RandomK(0.5, seed=None), "seed=None"), (lambda: PowerSGD(0), "rank=0"),
+    (lambda: PowerSGD(-1), "rank=-1"), (lambda: PowerSGD(1.5), "rank=1.5"),
+    (lambda: QSGD(0), "levels=0"), (lambda: QSGD(-3), "levels=-3"), (lambda: Threshold(-1), "tau=-1"),
+    (lambda: Threshold(float("nan")), "tau=nan"), (lambda: QSGD(4, seed=-1), "seed=-1"),
+    (lambda: Residual(beta=2), "beta=2"), (lambda: Residual(gamma=0), "gamma=0"),
+    (lambda: resolve_compressor("zip"), "compression='zip'"), (lambda: resolve_memory(3), "memory=3"),
+    (lambda: compressed_allreduce(SelfComm(), np.ones(2), None), "name=None"),
+])
+def test_bad_settings_raise_config_error(make, match):
+    with pytest.raises(ConfigError, match=match) as info:
+        make()
+    assert "expected" in str(info.value)
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("kind", LOSSY)
+def test_integer_tensor_rejected_naming_tensor_and_dtype(fw, kind):
+    compressor = LOSSY[kind]()
+    x = tensor(fw, np.arange(12, dtype=np.int32).reshape(3, 4))
+    with pytest.raises(PlaitTypeError, match=r"'fc1\.weight'.*int32"):
+        compressed_allreduce(SelfComm(), x, "fc1.weight", compressor, Residual())
+
+
+def test_horovod_spelling():
+    assert isinstance(Compression.none, NoneCompressor)
+    assert isinstance(Compression.fp16, FP16) and isinstance(Compression.bf16, BF16)
+    assert resolve_compressor(None) is Compression.none
+    assert resolve_compressor("FP16") is Compression.fp16
+    topk = TopK(0.1)
+    assert resolve_compressor(topk) is topk
+    assert isinstance(resolve_memory("residual"), Residual)
+    assert repr(TopK(0.1)) == "TopK(ratio=0.1)"
