@@ -230,7 +230,6 @@ def run_command(
     start = time.monotonic()
     proc = subprocess.Popen(cmd.argv, env=env, start_new_session=True)
     pgid = proc.pid
-
     received: list[int] = []
 
     def forward(signum: int, frame: FrameType | None) -> None:
@@ -244,20 +243,17 @@ def run_command(
         except ValueError:  # not the main thread: cannot install handlers
             break
     try:
-        while True:
-            remaining = None if timeout is None else timeout - (time.monotonic() - start)
-            try:
-                rc = proc.wait(timeout=None if remaining is None else max(remaining, 0.0))
-                break
-            except subprocess.TimeoutExpired:
-                _kill_group(pgid, proc, grace)
-                print(
-                    f"{_PROG}: the job ran longer than --timeout={timeout:g}s and was killed "
-                    f"(exit status {EXIT_TIMEOUT})",
-                    file=sys.stderr,
-                    flush=True,
-                )
-                return EXIT_TIMEOUT
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            _kill_group(pgid, proc, grace)
+            print(
+                f"{_PROG}: the job ran longer than --timeout={timeout:g}s and was killed "
+                f"(exit status {EXIT_TIMEOUT})",
+                file=sys.stderr,
+                flush=True,
+            )
+            return EXIT_TIMEOUT
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
