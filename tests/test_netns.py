@@ -204,3 +204,21 @@ def test_command_line_up_down() -> None:
     names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert prefix.group(1) not in names
     assert cleanup(prefix.group(1) + "-") == []
+
+
+def test_two_instances_side_by_side() -> None:
+    """Instances use distinct names, so parallel tests do not collide; the route outlives both."""
+    with EmulatedHosts(2) as first, EmulatedHosts(2) as second:
+        assert not set(first.hosts) & set(second.hosts)
+        for hosts in (first, second):
+            argv = ["mpirun", "--allow-run-as-root", "-np", "2", "--hostfile", hosts.hostfile,
+                    *hosts.mpirun_args(), "--timeout", str(JOB_S), sys.executable, "-c", REPORT]
+            proc = hosts.exec(hosts.hosts[0], argv, timeout=HARD_S, env=job_env(hosts))
+            assert proc.returncode == 0, proc.stderr
+            assert [r[0] for r in reports(proc.stdout)] == hosts.hosts
+        first.down()
+        route = subprocess.run(["ip", "route", "show", "exact", second.cidr],
+                               capture_output=True, text=True, check=True).stdout
+        assert route.startswith("blackhole"), "the other instance still needs the route"
+    assert_gone(first)
+    assert_gone(second)
