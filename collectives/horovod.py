@@ -3,8 +3,8 @@
 One Horovod library serves the process: ``horovod.torch`` for a PyTorch job,
 ``horovod.tensorflow`` for a TensorFlow job. Tensors of another framework (and
 numpy arrays) cross through host memory. Horovod 0.28's CPU ops have no
-bfloat16 and no bool, so plait reduces bfloat16 in float32 and moves bool as
-uint8; data-moving ops carry 16-bit floats as their bit patterns.
+bfloat16, no bool and no 8/16-bit integer reductions, so plait reduces those
+in float32 / int32 and moves bfloat16 as its 16-bit pattern and bool as uint8.
 Horovod has no point-to-point messages: ``send``/``recv`` use MPI when the job
 was started by an MPI launcher and raise ``NotImplementedError`` otherwise.
 """
@@ -26,7 +26,10 @@ from .check import Call
 
 __all__ = ["HorovodCommunicator", "build_info", "mpi_launched"]
 
-_CARRY_REDUCE = {"bfloat16": "float32", "bool": "uint8"}
+# Horovod 0.28's CPU reductions take float16/32/64 and int32/64 only; its
+# data-moving ops also take int8, uint8 and int16.
+_CARRY_REDUCE = {"bfloat16": "float32", "bool": "int32", "int8": "int32", "uint8": "int32",
+                 "int16": "int32"}
 _CARRY_MOVE = {"bfloat16": "int16", "bool": "uint8"}
 _BOOL_OPS = {"sum": "max", "max": "max", "min": "min", "product": "min"}
 
@@ -83,6 +86,13 @@ class _World:
 
         self.ops: TensorOps = adapter(framework)
         self.sets: dict[tuple[int, ...], Any] = {}
+        self.communicators = 0
+
+    def next_id(self) -> int:
+        """Id of a new communicator: the same on all its ranks, since communicators
+        are created collectively in the same order."""
+        self.communicators += 1
+        return self.communicators
 
 
 class HorovodCommunicator(CommunicatorBase):
@@ -106,6 +116,8 @@ class HorovodCommunicator(CommunicatorBase):
         self._set = hvd.global_process_set if _set is None else _set
         self.rank = int(self._set.rank())
         self.size = int(self._set.size())
+        self._cid = self._w.next_id()
+        self._seq = 0
         self.adasum = True
         if _world is None and mpi_launched():
             from .mpi import MPICommunicator
@@ -119,6 +131,15 @@ class HorovodCommunicator(CommunicatorBase):
             self._topology()
         self._ops_map = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min,
                          "max": hvd.Max, "product": hvd.Product, "adasum": hvd.Adasum}
+
+    def _name(self, kind: str, name: str | None = None) -> str:
+        """A name for the next Horovod op, equal on every rank of this communicator.
+
+        Horovod matches ops across ranks by name; its own default names count every
+        op of the process, which drifts apart once ranks use different process sets.
+        """
+        self._seq += 1
+        return f"plait.{self._cid}.{self._seq}.{kind}" + ("" if name is None else f".{name}")
 
     # -- conversion to and from the library's framework ----------------------------------
     def _native(self, ops: TensorOps, tensor: Tensor, carry: str | None) -> Any:
@@ -177,7 +198,7 @@ class HorovodCommunicator(CommunicatorBase):
         lib, hvd = self._w.ops, self._hvd
         t = _from_numpy(lib, values)
         if self.framework == "torch":
-            h = hvd.allreduce_async(t, op=hvd.Min, process_set=self._set)
+            h = hvd.allreduce_async(t, op=hvd.Min, name=self._name("check"), process_set=self._set)
             deadline = time.monotonic() + self.timeout
             while not hvd.poll(h):
                 if time.monotonic() > deadline:
@@ -187,22 +208,25 @@ class HorovodCommunicator(CommunicatorBase):
                     )
                 time.sleep(1e-4)
             return np.asarray(lib.to_numpy(hvd.synchronize(h)))
-        return np.asarray(lib.to_numpy(hvd.allreduce(t, op=hvd.Min, process_set=self._set)))
+        return np.asarray(lib.to_numpy(hvd.allreduce(t, op=hvd.Min, name=self._name("check"),
+                                                     process_set=self._set)))
 
     def _raw_allgather_bytes(self, data: np.ndarray) -> np.ndarray:
         lib = self._w.ops
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        out = self._hvd.allgather(_from_numpy(lib, flat), process_set=self._set)
+        out = self._hvd.allgather(_from_numpy(lib, flat), name=self._name("bytes"),
+                                  process_set=self._set)
         return np.asarray(lib.to_numpy(out)).view(np.uint8)
 
     def _raw_bcast_bytes(self, data: np.ndarray | None, root: int) -> np.ndarray:
         lib = self._w.ops
         n = np.array([0 if data is None else data.size], dtype=np.int64)
         n = lib.to_numpy(self._hvd.broadcast(_from_numpy(lib, n), self._root(root),
-                                             process_set=self._set))
+                                             name=self._name("bytes.n"), process_set=self._set))
         buf = np.ascontiguousarray(data).view(np.uint8) if data is not None else np.zeros(
             int(n[0]), np.uint8)
-        out = self._hvd.broadcast(_from_numpy(lib, buf), self._root(root), process_set=self._set)
+        out = self._hvd.broadcast(_from_numpy(lib, buf), self._root(root), name=self._name("bytes"),
+                                  process_set=self._set)
         return np.asarray(lib.to_numpy(out)).view(np.uint8)
 
     def _root(self, root: int) -> int:
@@ -223,7 +247,7 @@ class HorovodCommunicator(CommunicatorBase):
             carry = "float32"
         hop = self._ops_map[_BOOL_OPS[op] if dtype == "bool" else op]
         t = self._native(ops, tensor, carry)
-        kw = {"name": name, "op": hop, "process_set": self._set}
+        kw = {"name": self._name("allreduce", name), "op": hop, "process_set": self._set}
         started = (self._hvd.allreduce_async(t, **kw) if self.framework == "torch"
                    else self._hvd.allreduce(t, **kw))
         return self._handle(started, lambda r: self._back(ops, r, tensor, dtype, carry))
@@ -244,7 +268,7 @@ class HorovodCommunicator(CommunicatorBase):
         self._verify(Call("allgather", shape, dtype, name=name, ragged=True))
         carry = _CARRY_MOVE.get(dtype)
         t = self._native(ops, tensor, carry)
-        kw = {"name": name, "process_set": self._set}
+        kw = {"name": self._name("allgather", name), "process_set": self._set}
         started = (self._hvd.allgather_async(t, **kw) if self.framework == "torch"
                    else self._hvd.allgather(t, **kw))
         return self._handle(started, lambda r: self._back(ops, r, tensor, dtype, carry))
@@ -258,7 +282,7 @@ class HorovodCommunicator(CommunicatorBase):
         self._verify(Call("broadcast", ops.shape(tensor), dtype, root=root, name=name))
         carry = _CARRY_MOVE.get(dtype)
         t = self._native(ops, tensor, carry)
-        kw = {"name": name, "process_set": self._set}
+        kw = {"name": self._name("broadcast", name), "process_set": self._set}
         started = (self._hvd.broadcast_async(t, self._root(root), **kw)
                    if self.framework == "torch"
                    else self._hvd.broadcast(t, self._root(root), **kw))
@@ -277,7 +301,8 @@ class HorovodCommunicator(CommunicatorBase):
         carry = _CARRY_MOVE.get(dtype)
         t = self._native(ops, tensor, carry)
         lib_splits = _from_numpy(self._w.ops, np.array(send, dtype=np.int32))
-        out, received = self._hvd.alltoall(t, splits=lib_splits, name=name, process_set=self._set)
+        out, received = self._hvd.alltoall(t, splits=lib_splits, name=self._name("alltoall", name),
+                                           process_set=self._set)
         recv = [int(r) for r in np.asarray(self._w.ops.to_numpy(received)).reshape(-1)]
         return self._back(ops, out, tensor, dtype, carry), recv
 
@@ -294,7 +319,8 @@ class HorovodCommunicator(CommunicatorBase):
         self._verify(Call("reducescatter", shape, dtype, op=op, name=name))
         carry = _CARRY_REDUCE.get(dtype)
         t = self._native(ops, tensor, carry)
-        out = self._hvd.reducescatter(t, name=name, op=self._ops_map[op], process_set=self._set)
+        out = self._hvd.reducescatter(t, name=self._name("reducescatter", name), op=self._ops_map[op],
+                                      process_set=self._set)
         return self._back(ops, out, tensor, dtype, carry)
 
     def barrier(self) -> None:
@@ -321,7 +347,12 @@ class HorovodCommunicator(CommunicatorBase):
 
     # -- groups -------------------------------------------------------------------------------
     def split(self, color: int, key: int = 0) -> HorovodCommunicator:
-        """Collective over this group: ranks with equal ``color`` form a Horovod process set."""
+        """Collective over this group: ranks with equal ``color`` form a Horovod process set.
+
+        Raises:
+            NotImplementedError: when ``key`` would order a group's ranks other than
+                by global rank, which Horovod process sets cannot do.
+        """
         me = (int(color), int(key), int(self._set.ranks[self.rank]) if self._set.ranks
               else self.rank)
         everyone = self.allgather_object(me)
@@ -331,6 +362,12 @@ class HorovodCommunicator(CommunicatorBase):
         mine = None
         for c in sorted(groups):
             ranks = tuple(g for _, g in sorted(groups[c]))
+            if list(ranks) != sorted(ranks):
+                raise NotImplementedError(
+                    f"split(color={c}, key=...) would order ranks {list(ranks)}, but a Horovod "
+                    "process set always orders its ranks by global rank; use keys that keep "
+                    "that order (e.g. key=rank), or backend='mpi'"
+                )
             if ranks not in self._w.sets:
                 if len(ranks) == self._hvd.size() and ranks == tuple(range(len(ranks))):
                     self._w.sets[ranks] = self._hvd.global_process_set

@@ -68,7 +68,7 @@ def run_job(launcher: str, np: int, argv: list[str], timeout: float = 600,
     inner = max(10, int(timeout) - 15)
     if launcher == "mpirun":
         cmd = [shutil.which("mpirun") or "mpirun", "-np", str(np), "--oversubscribe",
-               "--bind-to", "none", "--timeout", str(inner), *argv]
+               "--bind-to", "none", "--tag-output", "--timeout", str(inner), *argv]
     elif launcher.startswith("horovodrun"):
         mode = "--gloo" if launcher.endswith("gloo") else "--mpi"
         cmd = [str(BIN / "horovodrun"), "-np", str(np), "-H", f"localhost:{np}", mode,

@@ -138,15 +138,25 @@ def test_send_recv_ring(comm, efw):
 
 
 def test_split_into_even_and_odd(comm, fw):
-    sub = comm.split(comm.rank % 2, key=-comm.rank)
+    sub = comm.split(comm.rank % 2, key=comm.rank)
     members = [r for r in range(comm.size) if r % 2 == comm.rank % 2]
-    assert sub.size == len(members)
-    assert sub.rank == sorted(members, reverse=True).index(comm.rank)
+    assert (sub.rank, sub.size) == (members.index(comm.rank), len(members))
     out = sub.allreduce(fw.tensor(np.array([float(comm.rank)]), "float32"), op="sum")
     close(fw.numpy(out), np.array([float(sum(members))]), "float32")
-    root_world = sorted(members, reverse=True)[0]
-    got = sub.broadcast(fw.tensor(np.array([float(comm.rank)]), "float32"), root=0)
-    close(fw.numpy(got), np.array([float(root_world)]), "float32")
+    got = sub.broadcast(fw.tensor(np.array([float(comm.rank)]), "float32"), root=sub.size - 1)
+    close(fw.numpy(got), np.array([float(members[-1])]), "float32")
+    gathered = sub.allgather(fw.tensor(np.array([float(comm.rank)]), "float32"))
+    close(fw.numpy(gathered), np.array(members, dtype=np.float64), "float32")
+
+
+def test_split_key_reorders_ranks(comm):
+    if comm.backend == "horovod":
+        with pytest.raises(NotImplementedError, match="process set always orders"):
+            comm.split(0, key=-comm.rank)
+        return
+    sub = comm.split(0, key=-comm.rank)
+    assert sub.rank == comm.size - 1 - comm.rank
+    assert sub.allgather_object(comm.rank) == list(reversed(range(comm.size)))
 
 
 def test_objects_and_topology(comm):
@@ -197,3 +207,4 @@ def test_missing_rank_times_out_instead_of_hanging(comm):
     else:
         time.sleep(3.0)
         sub.barrier()  # completes the barrier rank 0 gave up on
+    comm.barrier()  # nobody leaves (and shuts its backend down) while another still waits

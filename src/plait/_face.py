@@ -1,0 +1,167 @@
+"""What ``plait.torch`` and ``plait.tensorflow`` share: Horovod's names for the
+world communicator and its collectives, translated to plait's Communicator.
+
+Framework-free: each face passes its framework name to :func:`init`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from . import runtime
+from .errors import ConfigError, invalid
+from .protocols import Communicator, Handle
+
+__all__ = [
+    "Adasum", "Average", "Max", "Min", "Product", "Sum", "Face",
+]
+
+Average, Sum, Adasum, Min, Max, Product = "average", "sum", "adasum", "min", "max", "product"
+
+
+def resolve_op(average: bool | None, op: str | None, default: str = Average) -> str:
+    """Horovod's ``average=`` (deprecated) and ``op=`` arguments, as one op name."""
+    if average is not None and op is not None:
+        raise ConfigError("specify either average= or op=, not both (average is deprecated)")
+    if average is not None:
+        return Average if average else Sum
+    return default if op is None else op
+
+
+class _Scaled:
+    """A handle whose result is multiplied by a factor (Horovod's postscale)."""
+
+    def __init__(self, handle: Handle, factor: float) -> None:
+        self._handle, self._factor = handle, factor
+
+    def wait(self) -> Any:
+        return self._handle.wait() * self._factor
+
+    def done(self) -> bool:
+        return self._handle.done()
+
+
+class Face:
+    """Horovod's module-level functions, bound to one framework.
+
+    Args:
+        framework: "torch" or "tensorflow" (which Horovod library to use on that backend).
+    """
+
+    def __init__(self, framework: str) -> None:
+        self.framework = framework
+
+    def init(self, comm: Any = None, backend: str | None = None, **kwargs: Any) -> None:
+        """Start plait (``hvd.init()``); ``backend`` is "mpi", "horovod" or "auto".
+
+        Raises:
+            ConfigError: when ``comm`` (Horovod's list of ranks / MPI communicator) is given;
+                use :meth:`Communicator.split` for sub-groups instead.
+        """
+        if comm is not None:
+            raise invalid("comm", comm, "None: plait.torch.init() always starts on all ranks; "
+                          "make sub-groups with plait.world().split(color, key)")
+        runtime.init(backend, framework=self.framework, **kwargs)
+
+    @staticmethod
+    def comm(process_set: Communicator | None = None) -> Communicator:
+        return runtime.world() if process_set is None else process_set
+
+    def shutdown(self) -> None:
+        runtime.shutdown()
+
+    def is_initialized(self) -> bool:
+        return runtime.is_initialized()
+
+    def rank(self) -> int:
+        return runtime.world().rank
+
+    def size(self) -> int:
+        return runtime.world().size
+
+    def local_rank(self) -> int:
+        return runtime.world().local_rank
+
+    def local_size(self) -> int:
+        return runtime.world().local_size
+
+    def cross_rank(self) -> int:
+        return runtime.world().cross_rank
+
+    def cross_size(self) -> int:
+        return runtime.world().cross_size
+
+    def backend(self) -> str:
+        """"mpi" or "horovod": what carries the bytes."""
+        return runtime.world().backend
+
+    def mpi_threads_supported(self) -> bool:
+        from plait.collectives.mpi import thread_level
+
+        return thread_level() == "multiple"
+
+    def allreduce_async(self, tensor: Any, average: bool | None = None, name: str | None = None,
+                        op: str | None = None, prescale_factor: float = 1.0,
+                        postscale_factor: float = 1.0,
+                        process_set: Communicator | None = None) -> Handle:
+        if prescale_factor != 1.0:
+            tensor = tensor * prescale_factor
+        handle = self.comm(process_set).allreduce_async(tensor, resolve_op(average, op), name)
+        return handle if postscale_factor == 1.0 else _Scaled(handle, postscale_factor)
+
+    def allreduce(self, tensor: Any, average: bool | None = None, name: str | None = None,
+                  op: str | None = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0, process_set: Communicator | None = None) -> Any:
+        return self.allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
+                                    process_set).wait()
+
+    def grouped_allreduce(self, tensors: Sequence[Any], average: bool | None = None,
+                          name: str | None = None, op: str | None = None,
+                          process_set: Communicator | None = None) -> list[Any]:
+        return self.comm(process_set).grouped_allreduce(list(tensors), resolve_op(average, op), name)
+
+    def allgather(self, tensor: Any, name: str | None = None,
+                  process_set: Communicator | None = None) -> Any:
+        return self.comm(process_set).allgather(tensor, name)
+
+    def allgather_async(self, tensor: Any, name: str | None = None,
+                        process_set: Communicator | None = None) -> Handle:
+        return self.comm(process_set).allgather_async(tensor, name)
+
+    def broadcast(self, tensor: Any, root_rank: int, name: str | None = None,
+                  process_set: Communicator | None = None) -> Any:
+        return self.comm(process_set).broadcast(tensor, root_rank, name)
+
+    def broadcast_async(self, tensor: Any, root_rank: int, name: str | None = None,
+                        process_set: Communicator | None = None) -> Handle:
+        return self.comm(process_set).broadcast_async(tensor, root_rank, name)
+
+    def alltoall(self, tensor: Any, splits: Any = None, name: str | None = None,
+                 process_set: Communicator | None = None) -> tuple[Any, Any]:
+        if splits is not None and not isinstance(splits, (list, tuple)):
+            splits = [int(s) for s in splits]
+        return self.comm(process_set).alltoall(tensor, splits, name)  # type: ignore[attr-defined,no-any-return]
+
+    def reducescatter(self, tensor: Any, name: str | None = None, op: str = Average,
+                      process_set: Communicator | None = None) -> Any:
+        return self.comm(process_set).reducescatter(tensor, op, name)  # type: ignore[attr-defined]
+
+    def barrier(self, process_set: Communicator | None = None) -> None:
+        self.comm(process_set).barrier()
+
+    @staticmethod
+    def poll(handle: Handle) -> bool:
+        return handle.done()
+
+    @staticmethod
+    def synchronize(handle: Handle) -> Any:
+        return handle.wait()
+
+    def broadcast_object(self, obj: Any, root_rank: int = 0, name: str | None = None,
+                         process_set: Communicator | None = None) -> Any:
+        return self.comm(process_set).broadcast_object(obj, root_rank)
+
+    def allgather_object(self, obj: Any, name: str | None = None,
+                         process_set: Communicator | None = None) -> list[Any]:
+        return self.comm(process_set).allgather_object(obj)

@@ -1,0 +1,139 @@
+"""Horovod's PyTorch API on plait: ``import plait.torch as hvd`` runs a Horovod
+script on the MPI or the Horovod backend (``PLAIT_BACKEND`` or ``hvd.init(backend=)``).
+
+Also :func:`DistributedSampler`-style sharding and the data-parallel optimizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from plait.adapters import torch_optim
+from plait.adapters.torch import collective_function
+
+from ._face import Adasum, Average, Face, Max, Min, Product, Sum, resolve_op
+from .compression import Compression, compressed_allreduce
+from .parallel.data import DEFAULT_BUCKET_MB
+from .protocols import Communicator
+
+__all__ = [
+    "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "Product", "Sum",
+    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
+    "allreduce_async", "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_async",
+    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "cross_rank",
+    "cross_size", "grouped_allreduce", "init", "is_initialized", "local_rank", "local_size",
+    "mpi_threads_supported", "poll", "rank", "reducescatter", "shutdown", "size", "synchronize",
+]
+
+_F = Face("torch")
+init, shutdown, is_initialized = _F.init, _F.shutdown, _F.is_initialized
+rank, size, local_rank, local_size = _F.rank, _F.size, _F.local_rank, _F.local_size
+cross_rank, cross_size, mpi_threads_supported = _F.cross_rank, _F.cross_size, _F.mpi_threads_supported
+allreduce_async, grouped_allreduce = _F.allreduce_async, _F.grouped_allreduce
+allgather, allgather_async, broadcast_async = _F.allgather, _F.allgather_async, _F.broadcast_async
+alltoall, reducescatter, barrier = _F.alltoall, _F.reducescatter, _F.barrier
+poll, synchronize = _F.poll, _F.synchronize
+broadcast_object, allgather_object = _F.broadcast_object, _F.allgather_object
+
+
+def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
+              compression: Any = Compression.none, op: str | None = None,
+              prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+              process_set: Communicator | None = None) -> Any:
+    """Reduce ``tensor`` over ranks (differentiable: the gradient is allreduced too).
+
+    Args:
+        tensor: a torch tensor.
+        average: deprecated; True means op=Average, False op=Sum.
+        name: name of the collective (appears in mismatch errors).
+        compression: ``Compression.none`` / ``.fp16`` / ``.bf16`` (wire format).
+        op: Average (default), Sum, Min, Max, Product, or Adasum (Horovod backend).
+        prescale_factor: multiply before the reduction.
+        postscale_factor: multiply after the reduction.
+        process_set: a sub-communicator (from ``split``) instead of all ranks.
+
+    Returns:
+        The reduced tensor.
+    """
+    reduce_op = resolve_op(average, op)
+    comm = _F.comm(process_set)
+
+    def forward(t: Any) -> Any:
+        t = t * prescale_factor if prescale_factor != 1.0 else t
+        if compression is Compression.none or reduce_op not in (Average, Sum):
+            out = comm.allreduce(t, reduce_op, name)
+        else:
+            out = compressed_allreduce(comm, t, name or "allreduce", compression,
+                                       average=reduce_op == Average)
+        return out * postscale_factor if postscale_factor != 1.0 else out
+
+    if tensor.requires_grad and reduce_op in (Average, Sum):
+        return collective_function(forward, lambda g: comm.allreduce(g, reduce_op))(tensor)
+    return forward(tensor)
+
+
+def allreduce_(tensor: Any, average: bool | None = None, name: str | None = None,
+               op: str | None = None, process_set: Communicator | None = None) -> Any:
+    """In-place :func:`allreduce`; returns ``tensor``."""
+    out = _F.comm(process_set).allreduce(tensor, resolve_op(average, op), name)
+    tensor.data.copy_(out)
+    return tensor
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None,
+              process_set: Communicator | None = None) -> Any:
+    """Return ``root_rank``'s tensor on every rank."""
+    return _F.broadcast(tensor, root_rank, name, process_set)
+
+
+def broadcast_(tensor: Any, root_rank: int, name: str | None = None,
+               process_set: Communicator | None = None) -> Any:
+    """In-place :func:`broadcast`; returns ``tensor``."""
+    tensor.data.copy_(_F.broadcast(tensor, root_rank, name, process_set))
+    return tensor
+
+
+def broadcast_parameters(params: Any, root_rank: int = 0,
+                         process_set: Communicator | None = None) -> None:
+    """Copy ``root_rank``'s parameters (``state_dict()`` or ``named_parameters()``) to all."""
+    torch_optim.broadcast_parameters(params, _F.comm(process_set), root_rank)
+
+
+def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0,
+                              process_set: Communicator | None = None) -> None:
+    """Copy ``root_rank``'s optimizer state and hyper-parameters to all ranks."""
+    torch_optim.broadcast_optimizer_state(optimizer, _F.comm(process_set), root_rank)
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's name
+    optimizer: Any,
+    named_parameters: Iterable[tuple[str, Any]] | None = None,
+    compression: Any = Compression.none,
+    backward_passes_per_step: int = 1,
+    op: str = Average,
+    gradient_predivide_factor: float = 1.0,
+    process_set: Communicator | None = None,
+    bucket_mb: float = DEFAULT_BUCKET_MB,
+) -> Any:
+    """Horovod's ``DistributedOptimizer``: gradients are averaged across ranks in fused,
+    overlapped allreduces before each ``step()``.
+
+    Args:
+        optimizer: the local ``torch.optim.Optimizer``.
+        named_parameters: ``model.named_parameters()``.
+        compression: ``Compression.none``/``fp16``/``bf16`` or any plait compressor.
+        backward_passes_per_step: local backward passes accumulated per step.
+        op: Average (default), Sum or Adasum (Horovod backend).
+        gradient_predivide_factor: split the averaging before/after the sum.
+        process_set: data-parallel sub-communicator (default: all ranks).
+        bucket_mb: fusion bucket size in MiB (0: no fusion).
+
+    Returns:
+        The distributed optimizer (a subclass of ``type(optimizer)``).
+    """
+    return torch_optim.distributed_optimizer(
+        optimizer, _F.comm(process_set), named_parameters,
+        compression=None if compression is Compression.none else compression,
+        backward_passes_per_step=backward_passes_per_step, op=op, bucket_mb=bucket_mb,
+        gradient_predivide_factor=gradient_predivide_factor)

@@ -1,0 +1,137 @@
+"""PyTorch synchronous data parallelism on every rank, both backends (tests/test_jobs.py).
+
+Equivalence: N ranks each on B/N rows must give the weights one process gets on
+the whole batch B, and all ranks must hold identical weights after every step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from plait.adapters.torch_optim import (
+    broadcast_optimizer_state,
+    broadcast_parameters,
+    distributed_optimizer,
+)
+
+torch.use_deterministic_algorithms(True)
+
+
+def digits() -> tuple[torch.Tensor, torch.Tensor]:
+    from sklearn.datasets import load_digits
+
+    x, y = load_digits(return_X_y=True)
+    return torch.tensor(x / 16.0, dtype=torch.float32), torch.tensor(y)
+
+
+def model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Tanh(), torch.nn.Linear(32, 10))
+
+
+def flat(m: torch.nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
+
+
+def identical_on_all_ranks(comm, m: torch.nn.Module) -> None:
+    mine = flat(m)
+    everyone = comm.allgather(mine.reshape(1, -1))
+    for r in range(comm.size):
+        assert torch.equal(everyone[r], mine), f"rank {r} diverged from rank {comm.rank}"
+
+
+def train(comm, steps: int, batch: int, passes: int, bucket_mb: float, make_opt, distributed: bool):
+    x, y = digits()
+    m = model()
+    opt = make_opt(m.parameters())
+    if distributed:
+        opt = distributed_optimizer(opt, comm, m.named_parameters(), bucket_mb=bucket_mb,
+                                    backward_passes_per_step=passes)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for step in range(steps):
+        for k in range(passes):
+            start = ((step * passes + k) * batch) % (len(x) - batch)
+            xb, yb = x[start : start + batch], y[start : start + batch]
+            if distributed:
+                xb, yb = xb[comm.rank :: comm.size], yb[comm.rank :: comm.size]
+            loss_fn(m(xb), yb).backward()
+        opt.step()
+        opt.zero_grad()
+        if distributed:
+            identical_on_all_ranks(comm, m)
+    return m
+
+
+OPTIMIZERS = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.2, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+}
+
+
+@pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
+@pytest.mark.parametrize("bucket_mb", [0.0, 25.0])
+@pytest.mark.parametrize("passes", [1, 2])
+def test_matches_serial_training(comm, opt, bucket_mb, passes):
+    batch = 12 * comm.size
+    dist = train(comm, 12, batch, passes, bucket_mb, OPTIMIZERS[opt], distributed=True)
+    serial = train(comm, 12, batch, passes, bucket_mb, OPTIMIZERS[opt], distributed=False)
+    torch.testing.assert_close(flat(dist), flat(serial), rtol=0, atol=1e-6)
+
+
+def test_distributed_differs_from_local_only_training(comm):
+    """Guard: without the allreduce, ranks on different shards would diverge."""
+    x, y = digits()
+    m = model()
+    opt = torch.optim.SGD(m.parameters(), lr=0.5)
+    torch.nn.CrossEntropyLoss()(m(x[comm.rank :: comm.size][:24]), y[comm.rank :: comm.size][:24]).backward()
+    opt.step()
+    everyone = comm.allgather(flat(m).reshape(1, -1))
+    assert not torch.equal(everyone[0], everyone[1])
+
+
+def test_broadcast_makes_differently_initialised_ranks_identical(comm):
+    x, y = digits()
+    m = model(seed=100 + comm.rank)
+    opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+    part = slice(comm.rank * 50, comm.rank * 50 + 50)
+    torch.nn.CrossEntropyLoss()(m(x[part]), y[part]).backward()
+    opt.step()  # optimizer state now differs per rank
+    broadcast_parameters(m.state_dict(), comm, root=comm.size - 1)
+    broadcast_optimizer_state(opt, comm, root=comm.size - 1)
+    identical_on_all_ranks(comm, m)
+    states = comm.allgather_object({k: v["exp_avg"].sum().item() for k, v in opt.state_dict()["state"].items()})
+    assert all(s == states[0] for s in states)
+
+
+def test_parameter_without_gradient_on_some_rank_does_not_hang(comm):
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    params = list(a.named_parameters(prefix="a")) + list(b.named_parameters(prefix="b"))
+    opt = distributed_optimizer(torch.optim.SGD([p for _, p in params], lr=0.1), comm, params)
+    x = torch.ones(2, 4)
+    out = a(x) if comm.rank == 0 else b(a(x))  # b gets no gradient on rank 0
+    out.sum().backward()
+    opt.step()
+    opt.zero_grad()
+    mine = torch.cat([p.detach().reshape(-1) for _, p in params])
+    everyone = comm.allgather(mine.reshape(1, -1))
+    assert torch.equal(everyone[0], everyone[-1])
+
+
+def test_too_many_backward_passes_is_a_clear_error(comm):
+    m = model()
+    opt = distributed_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), comm, m.named_parameters())
+    x, y = digits()
+    torch.nn.CrossEntropyLoss()(m(x[:8]), y[:8]).backward()
+    with pytest.raises(RuntimeError, match="backward_passes_per_step=1"):
+        torch.nn.CrossEntropyLoss()(m(x[:8]), y[:8]).backward()
+    opt.synchronize()
+
+
+def test_bad_arguments(comm):
+    m = model()
+    with pytest.raises(ValueError, match="backward_passes_per_step=0"):
+        distributed_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), comm, backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="named_parameters"):
+        distributed_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), comm, [("only", m[0].weight)])
