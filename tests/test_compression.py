@@ -309,3 +309,18 @@ def test_horovod_spelling():
     assert resolve_compressor(topk) is topk
     assert isinstance(resolve_memory("residual"), Residual)
     assert repr(TopK(0.1)) == "TopK(ratio=0.1)"
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+@pytest.mark.parametrize("kind", LOSSY)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_16_bit_tensors_decode_to_their_own_dtype(fw, kind, dtype):
+    from plait.adapters import ops_for
+
+    x = tensor(fw, normal((6, 5), seed=9))
+    ops = ops_for(x)
+    x = ops.cast(x, dtype)
+    compressor = LOSSY[kind]()
+    payload, ctx = compressor.compress(x, "h")
+    out = compressor.decompress(payload, ctx)
+    assert ops.dtype_name(out) == dtype and ops.shape(out) == (6, 5)
