@@ -145,7 +145,7 @@ def distributed_optimizer(
                           "model.named_parameters() of the model whose parameters the optimizer has")
         named = [(by_id[id(p)], p) for p in in_groups]
     specs = [GradSpec(n, tuple(p.shape), OPS.dtype_name(p)) for n, p in named]
-    cls = type(type(optimizer).__name__, (_Distributed, type(optimizer)), {})
+    cls: Any = type(type(optimizer).__name__, (_Distributed, type(optimizer)), {})
     dist: Any = cls.__new__(cls)
     dist.__dict__.update(optimizer.__dict__)
     dist._plait_reducer = GradientReducer(comm, specs, op=op, bucket_mb=bucket_mb,

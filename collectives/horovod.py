@@ -11,6 +11,8 @@ was started by an MPI launcher and raise ``NotImplementedError`` otherwise.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextlib
 import os
 import time
 from collections.abc import Sequence
@@ -87,6 +89,13 @@ class _World:
         self.ops: TensorOps = adapter(framework)
         self.sets: dict[tuple[int, ...], Any] = {}
         self.communicators = 0
+        self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def worker(self) -> concurrent.futures.ThreadPoolExecutor:
+        """One daemon-like thread for blocking library calls that need a timeout."""
+        if self._worker is None:
+            self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plait-hvd")
+        return self._worker
 
     def next_id(self) -> int:
         """Id of a new communicator: the same on all its ranks, since communicators
@@ -194,7 +203,20 @@ class HorovodCommunicator(CommunicatorBase):
         return Done(finish(started))
 
     # -- raw primitives ------------------------------------------------------------------
+    def _eager(self) -> contextlib.AbstractContextManager[Any]:
+        """Run raw primitives eagerly, also while a ``tf.function`` is traced (so the
+        agreement check of a graph op happens once, when the graph is built)."""
+        if self.framework != "tensorflow":
+            return contextlib.nullcontext()
+        import tensorflow as tf
+
+        return tf.init_scope()
+
     def _raw_min(self, values: np.ndarray) -> np.ndarray:
+        with self._eager():
+            return self._raw_min_eager(values)
+
+    def _raw_min_eager(self, values: np.ndarray) -> np.ndarray:
         lib, hvd = self._w.ops, self._hvd
         t = _from_numpy(lib, values)
         if self.framework == "torch":
@@ -208,10 +230,24 @@ class HorovodCommunicator(CommunicatorBase):
                     )
                 time.sleep(1e-4)
             return np.asarray(lib.to_numpy(hvd.synchronize(h)))
-        return np.asarray(lib.to_numpy(hvd.allreduce(t, op=hvd.Min, name=self._name("check"),
-                                                     process_set=self._set)))
+        # horovod.tensorflow has no handles: wait on a worker thread (one, so the
+        # order of ops is kept even behind an op abandoned after a timeout)
+        name = self._name("check")
+        future = self._w.worker().submit(hvd.allreduce, t, op=hvd.Min, name=name,
+                                         process_set=self._set)
+        try:
+            return np.asarray(lib.to_numpy(future.result(timeout=self.timeout)))
+        except concurrent.futures.TimeoutError:
+            raise CollectiveTimeoutError(
+                f"{self!r}: waited {self.timeout:g}s for the other ranks to reach a "
+                "collective; some rank is dead, stuck or calling something else"
+            ) from None
 
     def _raw_allgather_bytes(self, data: np.ndarray) -> np.ndarray:
+        with self._eager():
+            return self._raw_allgather_eager(data)
+
+    def _raw_allgather_eager(self, data: np.ndarray) -> np.ndarray:
         lib = self._w.ops
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         out = self._hvd.allgather(_from_numpy(lib, flat), name=self._name("bytes"),
@@ -219,6 +255,10 @@ class HorovodCommunicator(CommunicatorBase):
         return np.asarray(lib.to_numpy(out)).view(np.uint8)
 
     def _raw_bcast_bytes(self, data: np.ndarray | None, root: int) -> np.ndarray:
+        with self._eager():
+            return self._raw_bcast_eager(data, root)
+
+    def _raw_bcast_eager(self, data: np.ndarray | None, root: int) -> np.ndarray:
         lib = self._w.ops
         n = np.array([0 if data is None else data.size], dtype=np.int64)
         n = lib.to_numpy(self._hvd.broadcast(_from_numpy(lib, n), self._root(root),

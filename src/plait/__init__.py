@@ -13,8 +13,10 @@ from .errors import (
     PlaitError,
     PlaitTypeError,
 )
+from .parallel.mesh import Mesh
 from .protocols import Communicator, Handle, TensorOps
 from .runtime import init, is_initialized, shutdown, world
+from .strategy import DataParallel
 
 __version__ = "0.1.0"
 
@@ -24,8 +26,10 @@ __all__ = [
     "CollectiveTimeoutError",
     "Communicator",
     "Config",
+    "DataParallel",
     "ConfigError",
     "Handle",
+    "Mesh",
     "MismatchError",
     "PlaitError",
     "PlaitTypeError",

@@ -208,3 +208,16 @@ def test_missing_rank_times_out_instead_of_hanging(comm):
         time.sleep(3.0)
         sub.barrier()  # completes the barrier rank 0 gave up on
     comm.barrier()  # nobody leaves (and shuts its backend down) while another still waits
+
+
+def test_mesh_sub_communicators(comm):
+    from plait.parallel.mesh import Mesh
+    from plait.parallel.mesh_layout import MeshError
+
+    mesh = Mesh(pp=comm.size, comm=comm)
+    assert (mesh.shape.dp, mesh.shape.pp, mesh.shape.tp) == (1, comm.size, 1)
+    assert mesh.pipeline.size == comm.size and mesh.pipeline.rank == comm.rank
+    assert mesh.data.size == mesh.tensor.size == 1
+    assert mesh.pipeline.allgather_object(comm.rank) == mesh.group("pp")
+    with pytest.raises(MeshError, match=f"= {comm.size + 1}"):
+        Mesh(dp=comm.size + 1, comm=comm)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from plait.adapters.torch_optim import (
     broadcast_optimizer_state,
     broadcast_parameters,
@@ -100,7 +99,8 @@ def test_broadcast_makes_differently_initialised_ranks_identical(comm):
     broadcast_parameters(m.state_dict(), comm, root=comm.size - 1)
     broadcast_optimizer_state(opt, comm, root=comm.size - 1)
     identical_on_all_ranks(comm, m)
-    states = comm.allgather_object({k: v["exp_avg"].sum().item() for k, v in opt.state_dict()["state"].items()})
+    state = opt.state_dict()["state"]
+    states = comm.allgather_object({k: v["exp_avg"].sum().item() for k, v in state.items()})
     assert all(s == states[0] for s in states)
 
 

@@ -111,6 +111,8 @@ class GradientReducer:
             raise invalid("named_parameters", dup, "unique parameter names")
         self.comm, self.op, self.prefix = comm, op, prefix
         self.compression, self.memory = compression, memory
+        if compression is not None and hasattr(compression, "exchange"):
+            bucket_mb = 0  # e.g. PowerSGD: factorises each gradient in its own shape
         self.buckets = [Bucket(i, b) for i, b in enumerate(plan_buckets(specs, bucket_mb * 2**20))]
         self._where = {s.name: b for b in self.buckets for s in b.specs}
         self._next = 0
@@ -136,8 +138,10 @@ class GradientReducer:
     def _start(self, bucket: Bucket) -> None:
         first = bucket.grads[bucket.specs[0].name]
         ops = ops_for(first)
-        flat = [ops.reshape(bucket.grads[s.name], [-1]) for s in bucket.specs]
-        fused = flat[0] if len(flat) == 1 else ops.concat(flat)
+        if len(bucket.specs) == 1:
+            fused = first  # alone: keeps its shape (matrix compressors need it)
+        else:
+            fused = ops.concat([ops.reshape(bucket.grads[s.name], [-1]) for s in bucket.specs])
         name = f"{self.prefix}.{bucket.index}"
         if self.compression is None:
             bucket.handle = self.comm.allreduce_async(fused, op=self.op, name=name)

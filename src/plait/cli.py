@@ -1,0 +1,45 @@
+"""The ``plait`` command: ``plait run ...`` launches a job, ``plait info`` shows the build."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+__all__ = ["main"]
+
+_USAGE = """usage: plait {run,info} ...
+
+  plait run [-np N] [-H h1:2,h2:2 | --hostfile F] [--launcher mpirun|horovodrun]
+            [--backend mpi|horovod] [--timeout S] [-x VAR]... [--dry-run] -- COMMAND...
+  plait info        versions of plait, Python, frameworks, MPI and Horovod
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``plait`` command.
+
+    Args:
+        argv: arguments after the program name (default: ``sys.argv[1:]``).
+
+    Returns:
+        The process exit status.
+    """
+    args = list(sys.argv[1:] if argv is None else argv)
+    if not args or args[0] in ("-h", "--help"):
+        print(_USAGE)
+        return 0 if args else 2
+    command, rest = args[0], args[1:]
+    if command == "run":
+        from .launch.run import main as run_main
+
+        return run_main(rest)
+    if command == "info":
+        from .info import main as info_main
+
+        return info_main(rest)
+    print(f"plait: unknown command {command!r}: expected 'run' or 'info'\n\n{_USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

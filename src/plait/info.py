@@ -1,0 +1,65 @@
+"""``plait info``: what this installation can do (like ``horovodrun --check-build``).
+
+Each probe runs in a subprocess, so a framework that fails to import (or MPI
+that fails to initialise) is reported instead of taking this command down.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import subprocess
+import sys
+from collections.abc import Sequence
+
+from . import __version__
+
+__all__ = ["collect", "main"]
+
+_PROBES = {
+    "torch": "import torch; print(torch.__version__)",
+    "tensorflow": "import os; os.environ['TF_CPP_MIN_LOG_LEVEL']='3'; import tensorflow as tf; "
+                  "print(tf.__version__)",
+    "keras": "import os; os.environ['TF_CPP_MIN_LOG_LEVEL']='3'; import keras; print(keras.__version__)",
+    "mpi4py": "import mpi4py; print(mpi4py.__version__)",
+    "mpi library": "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].strip())",
+    "mpi thread level": "from plait.collectives.mpi import thread_level; print(thread_level())",
+    "cuda-aware mpi": "from mpi4py import MPI; import subprocess; out = subprocess.run("
+                      "['ompi_info', '--parsable', '--all'], capture_output=True, text=True).stdout; "
+                      "print('yes' if 'mpi_built_with_cuda_support:value:true' in out else 'no')",
+    "horovod": "import horovod; print(horovod.__version__)",
+    "horovod built with": "import os; os.environ['TF_CPP_MIN_LOG_LEVEL']='3'; "
+                          "from plait.collectives.horovod import build_info; "
+                          "print(', '.join(k for k, v in build_info().items() if v) or 'nothing')",
+    "cuda (torch)": "import torch; print('yes' if torch.cuda.is_available() else 'no')",
+}
+
+
+def collect(timeout: float = 120.0) -> dict[str, str]:
+    """Probe every component; a failure is reported as ``not available (reason)``."""
+    out = {"plait": __version__, "python": platform.python_version()}
+    for name, code in _PROBES.items():
+        try:
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                  timeout=timeout)
+        except subprocess.TimeoutExpired:
+            out[name] = f"not available (no answer in {timeout:g}s)"
+            continue
+        if proc.returncode == 0 and proc.stdout.strip():
+            out[name] = proc.stdout.strip().splitlines()[-1]
+        else:
+            last = (proc.stderr.strip().splitlines() or ["failed"])[-1]
+            out[name] = f"not available ({last})"
+    return out
+
+
+def main(argv: Sequence[str] = ()) -> int:
+    """Print the report (``--json`` for machine-readable output)."""
+    info = collect()
+    if "--json" in argv:
+        print(json.dumps(info, indent=2))
+    else:
+        width = max(len(k) for k in info)
+        for key, value in info.items():
+            print(f"{key:<{width}}  {value}")
+    return 0
