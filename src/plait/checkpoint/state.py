@@ -1,0 +1,73 @@
+"""The small protocol plait state objects follow to be checkpointed.
+
+An object is checkpointable when it has ``state_dict()`` returning a plain
+mapping (string keys; values tensors, numbers, strings, bools, None, or lists and
+mappings of those) and ``load_state_dict(mapping)``. Error-feedback memories
+(:class:`plait.compression.Residual`, whose state is its ``.residuals``) are
+wrapped by :func:`as_stateful`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+from plait.errors import PlaitTypeError
+
+__all__ = ["ResidualState", "Stateful", "as_stateful"]
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    """Anything with ``state_dict()`` / ``load_state_dict()`` (plain data and tensors only)."""
+
+    def state_dict(self) -> Mapping[str, Any]:
+        """Return the state as a mapping of plain values and tensors."""
+        ...
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace the state with ``state`` (as returned by :meth:`state_dict`)."""
+        ...
+
+
+class ResidualState:
+    """:class:`Stateful` view of an error-feedback memory keeping ``.residuals`` (name -> tensor).
+
+    Args:
+        memory: e.g. a :class:`plait.compression.Residual`.
+    """
+
+    def __init__(self, memory: Any) -> None:
+        self.memory = memory
+
+    def state_dict(self) -> dict[str, Any]:
+        """The residuals, keyed by tensor name."""
+        return {"residuals": dict(self.memory.residuals)}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Replace the memory's residuals."""
+        self.memory.residuals.clear()
+        self.memory.residuals.update(state["residuals"])
+
+
+def as_stateful(obj: Any, name: str = "state") -> Stateful:
+    """Return ``obj`` if it is :class:`Stateful`, a :class:`ResidualState` for a residual memory.
+
+    Args:
+        obj: the object to checkpoint.
+        name: its key, for the error message.
+
+    Returns:
+        A :class:`Stateful`.
+
+    Raises:
+        PlaitTypeError: when ``obj`` has neither ``state_dict``/``load_state_dict`` nor ``.residuals``.
+    """
+    if isinstance(obj, Stateful):
+        return obj
+    if isinstance(getattr(obj, "residuals", None), dict):
+        return ResidualState(obj)
+    raise PlaitTypeError(
+        f"invalid state[{name!r}]={obj!r}: expected an object with state_dict()/load_state_dict() "
+        "or an error-feedback memory with .residuals (plait.compression.Residual)"
+    )
