@@ -5,24 +5,34 @@ Usage::
     plait run [-np N] [-H host1:2,host2:2 | --hostfile FILE]
               [--launcher mpirun|horovodrun] [--backend mpi|horovod|auto]
               [--network-interface IF] [--timeout S] [--oversubscribe]
-              [-x VAR]... [--mca KEY VALUE]... [--dry-run] -- COMMAND...
+              [-x VAR]... [--mca KEY VALUE]... [--dry-run]
+              [--restarts R [--restart-backoff S] [--exclude-after K]] -- COMMAND...
 
 The launcher runs in its own process group; SIGINT and SIGTERM sent to
 ``plait run`` are forwarded to that group. With ``--timeout`` the whole group
 is killed when the time is up and the exit status is 124 (like ``timeout(1)``).
 Otherwise the exit status is the launcher's (128 + N if it died of signal N).
+
+With ``--restarts R`` a failed job (non-zero exit or timeout, ``--timeout``
+applying to each attempt) is relaunched up to R times with exponential back-off;
+with hosts, failing or unreachable hosts are excluded first and the job runs on
+the rest (see :mod:`plait.launch.restart`). Each attempt gets ``PLAIT_RESTART``
+(0, 1, ...) in its environment.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import FrameType
+from typing import Any
 
 from plait.errors import ConfigError
 from plait.launch.command import (
@@ -32,10 +42,20 @@ from plait.launch.command import (
     LaunchCommand,
     LaunchSpec,
     build_command,
+    mpirun_argv,
 )
 from plait.launch.hostfile import HostSlots, check_np, parse_hostfile, parse_hosts, total_slots
+from plait.launch.restart import RestartPolicy, RestartState, blamed_hosts, probe_hosts, rank_hosts
 
-__all__ = ["EXIT_TIMEOUT", "KILL_GRACE_S", "build_parser", "main", "run_command", "spec_from_args"]
+__all__ = [
+    "EXIT_TIMEOUT",
+    "KILL_GRACE_S",
+    "build_parser",
+    "main",
+    "run_command",
+    "run_with_restarts",
+    "spec_from_args",
+]
 
 #: Exit status when ``--timeout`` expires (the same as ``timeout(1)``).
 EXIT_TIMEOUT = 124
@@ -61,6 +81,26 @@ def _positive_float(text: str) -> float:
         value = 0.0
     if not 0 < value < float("inf"):
         raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected seconds > 0")
+    return value
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected an integer >= 0")
+    return value
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected seconds >= 0")
     return value
 
 
@@ -101,6 +141,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--mca", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                    help="mpirun: extra MCA parameter")
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
+    p.add_argument("--restarts", type=_count, default=0, metavar="R",
+                   help="relaunch a failed job up to R times (it resumes from its checkpoint)")
+    p.add_argument("--restart-backoff", type=_seconds, default=1.0, metavar="S",
+                   help="seconds before the first relaunch, doubled each time (default 1)")
+    p.add_argument("--exclude-after", type=_positive_int, default=2, metavar="K",
+                   help="exclude a host blamed for K failures (default 2)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     return p
 
@@ -209,8 +255,16 @@ def _kill_group(pgid: int, proc: subprocess.Popen[bytes], grace: float) -> None:
         pass
 
 
+def _tee(stream: object, sink: list[str]) -> None:
+    for raw in iter(stream.readline, b""):  # type: ignore[attr-defined]
+        sys.stderr.write(raw.decode(errors="replace"))
+        sys.stderr.flush()
+        sink.append(raw.decode(errors="replace"))
+
+
 def run_command(
-    cmd: LaunchCommand, timeout: float | None = None, grace: float = KILL_GRACE_S
+    cmd: LaunchCommand, timeout: float | None = None, grace: float = KILL_GRACE_S,
+    capture: list[str] | None = None, signals: list[int] | None = None,
 ) -> int:
     """Run a launcher command in its own process group and wait for it.
 
@@ -218,6 +272,9 @@ def run_command(
         cmd: the argv and environment additions.
         timeout: seconds after which the group is killed; ``None`` waits for ever.
         grace: seconds between SIGTERM and SIGKILL when killing.
+        capture: when given, the launcher's stderr is copied to ours and its lines
+            appended here (to see which host failed).
+        signals: when given, the signals forwarded to the job are appended here.
 
     Returns:
         The launcher's exit status; 128 + N if it died of signal N, or if it failed
@@ -228,9 +285,14 @@ def run_command(
     """
     env = {**os.environ, **cmd.env}
     start = time.monotonic()
-    proc = subprocess.Popen(cmd.argv, env=env, start_new_session=True)
+    proc = subprocess.Popen(cmd.argv, env=env, start_new_session=True,
+                            stderr=subprocess.PIPE if capture is not None else None)
     pgid = proc.pid
-    received: list[int] = []
+    reader = None
+    if capture is not None:
+        reader = threading.Thread(target=_tee, args=(proc.stderr, capture), daemon=True)
+        reader.start()
+    received: list[int] = signals if signals is not None else []
 
     def forward(signum: int, frame: FrameType | None) -> None:
         received.append(signum)
@@ -257,6 +319,8 @@ def run_command(
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        if reader is not None:
+            reader.join(timeout=grace)  # orphans may hold the pipe: do not wait for ever
     if timeout is not None and rc != 0 and time.monotonic() - start >= timeout:
         # mpirun's own --timeout fired at the same moment as ours.
         print(f"{_PROG}: the job ran longer than --timeout={timeout:g}s", file=sys.stderr)
@@ -266,6 +330,75 @@ def run_command(
     if rc != 0 and received:
         return 128 + received[0]  # interrupted: report the signal, as a shell would
     return rc
+
+
+def _probe_argv(spec: LaunchSpec, is_root: bool, timeout: float) -> Any:
+    def argv_for(host: str) -> list[str]:
+        probe = dataclasses.replace(spec, command=("true",), np=1, hosts=(HostSlots(host, 1),),
+                                    hostfile=None, timeout=timeout, tag_output=False,
+                                    oversubscribe=True)
+        return mpirun_argv(probe, None, is_root)
+
+    return argv_for
+
+
+def run_with_restarts(spec: LaunchSpec, policy: RestartPolicy, env: Mapping[str, str],
+                      is_root: bool, hosts: Sequence[HostSlots] = ()) -> int:
+    """Run the job; when it fails, relaunch it up to ``policy.restarts`` times.
+
+    Args:
+        spec: the first attempt's spec.
+        policy: restarts, back-off and host exclusion.
+        env: the environment of the launcher.
+        is_root: running as root (mpirun needs ``--allow-run-as-root``).
+        hosts: the job's hosts (from ``-H`` or the hostfile); empty for a local job,
+            which is restarted without exclusion.
+
+    Returns:
+        The last attempt's exit status (0 once an attempt succeeds).
+    """
+    state = RestartState(list(hosts))
+    np = spec.num_ranks
+    attempt = 0
+    while True:
+        cmd = build_command(spec, env, is_root)
+        cmd.env["PLAIT_RESTART"] = str(attempt)
+        lines: list[str] = []
+        signals: list[int] = []
+        rc = run_command(cmd, spec.timeout, capture=lines, signals=signals)
+        used = ",".join(h.host for h in spec.hosts) if spec.hosts else "localhost"
+        if rc == 0:
+            print(f"{_PROG}: job finished after {attempt} restart(s) with {spec.num_ranks} ranks "
+                  f"on hosts {used}", file=sys.stderr, flush=True)
+            return 0
+        if signals or attempt >= policy.restarts:
+            if not signals:
+                print(f"{_PROG}: job failed (exit status {rc}); no restarts left "
+                      f"({policy.restarts} used)", file=sys.stderr, flush=True)
+            return rc
+        attempt += 1
+        if state.hosts and spec.launcher == "mpirun":
+            blamed = blamed_hosts("".join(lines), rank_hosts(spec.hosts or state.hosts, spec.num_ranks))
+            gone = state.blame(blamed, policy.exclude_after)
+            names = [h.host for h in state.hosts]
+            gone += state.unreachable(
+                probe_hosts(names, _probe_argv(spec, is_root, policy.probe_timeout), {**env, **cmd.env},
+                            policy.probe_timeout))
+            for name in gone:
+                print(f"{_PROG}: excluding host {name}: {state.excluded[name]}", file=sys.stderr,
+                      flush=True)
+            if not state.hosts:
+                print(f"{_PROG}: no hosts left to restart on (excluded: "
+                      f"{', '.join(state.excluded)})", file=sys.stderr, flush=True)
+                return rc
+            new_np = min(np, total_slots(state.hosts)) if gone else spec.num_ranks
+            spec = dataclasses.replace(spec, hosts=tuple(state.hosts), hostfile=None, np=new_np)
+        delay = policy.delay(attempt)
+        print(f"{_PROG}: job failed (exit status {rc}); restart {attempt}/{policy.restarts} in "
+              f"{delay:g}s with {spec.num_ranks} ranks"
+              + (f" on hosts {','.join(h.host for h in spec.hosts)}" if spec.hosts else ""),
+              file=sys.stderr, flush=True)
+        time.sleep(delay)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -293,6 +426,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(cmd.shell())
         return 0
     try:
+        if args.restarts > 0:
+            hosts = list(spec.hosts)
+            if not hosts and args.hostfile is not None:
+                hosts = parse_hostfile(args.hostfile)
+            policy = RestartPolicy(args.restarts, backoff=args.restart_backoff,
+                                   backoff_max=max(30.0, args.restart_backoff),
+                                   exclude_after=args.exclude_after)
+            return run_with_restarts(spec, policy, os.environ, os.geteuid() == 0, hosts)
         return run_command(cmd, spec.timeout)
     except FileNotFoundError:
         print(

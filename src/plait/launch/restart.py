@@ -1,0 +1,203 @@
+"""Automatic restarts for ``plait run --restarts R`` (elastic by restart).
+
+When a job fails, ``plait run`` relaunches it up to R times with exponential
+back-off; the training script resumes from its latest checkpoint
+(:class:`plait.Checkpoint`). With a host list, hosts are judged after each
+failure in two ways:
+
+* the launcher's own report: Open MPI names the host of a process that died of
+  a signal (``... on node HOST exited on signal 9``), a lost daemon
+  (``Remote daemon: ... on node HOST``), or the rank of the first process that
+  failed / called MPI_Abort (mapped to its host through the slot layout). A host
+  blamed ``exclude_after`` times is excluded;
+* a reachability probe: a one-rank ``mpirun`` is started on every host with a
+  short timeout; a host that does not answer (dead, or its link is down) is
+  excluded at once.
+
+The job is then relaunched on the remaining hosts with their slots as the new
+world size; ranks re-shard their data by rank/size (see :mod:`plait.elastic`).
+Standard library only.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from plait.errors import invalid
+from plait.launch.hostfile import HostSlots
+
+__all__ = [
+    "RestartPolicy",
+    "RestartState",
+    "blamed_hosts",
+    "probe_hosts",
+    "rank_hosts",
+]
+
+_SIGNAL_NODE = re.compile(r"process rank (\d+) with PID \d+ on node (\S+?)[ .,]")
+_REMOTE_DAEMON = re.compile(r"Remote daemon:\s*\S+ on node (\S+)")
+_PROCESS_NAME = re.compile(r"Process name:\s*\[\[\d+,\d+\],(\d+)\]")
+_ABORT_RANK = re.compile(r"MPI_ABORT was invoked on rank (\d+)")
+_PLAIT_HOST = re.compile(r"plait: rank (\d+) on host (\S+) failed")
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How ``plait run`` restarts a failed job.
+
+    Attributes:
+        restarts: how many times to relaunch after a failure (0: never).
+        backoff: seconds before the first relaunch; doubled each time.
+        backoff_max: the longest wait between relaunches.
+        exclude_after: a host blamed for this many failures is excluded.
+        probe_timeout: seconds a host has to answer the reachability probe.
+    """
+
+    restarts: int = 0
+    backoff: float = 1.0
+    backoff_max: float = 30.0
+    exclude_after: int = 2
+    probe_timeout: float = 15.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.restarts, bool) or not isinstance(self.restarts, int) or self.restarts < 0:
+            raise invalid("restarts", self.restarts, "an integer >= 0")
+        if not 0 <= self.backoff <= self.backoff_max:
+            raise invalid("backoff", self.backoff, f"seconds in [0, backoff_max={self.backoff_max}]")
+        if self.exclude_after < 1:
+            raise invalid("exclude_after", self.exclude_after, "an integer >= 1")
+        if not self.probe_timeout > 0:
+            raise invalid("probe_timeout", self.probe_timeout, "seconds > 0")
+
+    def delay(self, attempt: int) -> float:
+        """Seconds to wait before relaunch number ``attempt`` (1-based)."""
+        return float(min(self.backoff_max, self.backoff * 2 ** (attempt - 1)))
+
+
+def rank_hosts(hosts: Sequence[HostSlots], np: int) -> list[str]:
+    """The host of each rank under ``--map-by slot`` (slots filled host by host, wrapping).
+
+    Args:
+        hosts: the job's hosts in order.
+        np: number of ranks.
+
+    Returns:
+        ``result[rank]`` is that rank's host name.
+    """
+    order = [h.host for h in hosts for _ in range(h.slots)]
+    if not order:
+        return []
+    return [order[r % len(order)] for r in range(np)]
+
+
+def blamed_hosts(output: str, ranks: Sequence[str]) -> list[str]:
+    """Hosts the launcher's output blames for a failure.
+
+    Args:
+        output: mpirun's (and the ranks') stderr of the failed attempt.
+        ranks: ``ranks[r]`` is rank r's host (see :func:`rank_hosts`).
+
+    Returns:
+        Host names, each once, in order of appearance.
+    """
+    found: list[str] = []
+
+    def add(host: str) -> None:
+        if host not in found:
+            found.append(host)
+
+    def add_rank(text: str) -> None:
+        r = int(text)
+        if 0 <= r < len(ranks):
+            add(ranks[r])
+
+    for m in _SIGNAL_NODE.finditer(output):
+        add(m.group(2))
+    for m in _REMOTE_DAEMON.finditer(output):
+        add(m.group(1))
+    for m in _PLAIT_HOST.finditer(output):
+        add(m.group(2))
+    for m in _ABORT_RANK.finditer(output):
+        add_rank(m.group(1))
+    for m in _PROCESS_NAME.finditer(output):
+        add_rank(m.group(1))
+    return found
+
+
+def probe_hosts(hosts: Sequence[str], argv_for: Callable[[str], list[str]],
+                env: Mapping[str, str], timeout: float) -> list[str]:
+    """Hosts that do not answer a tiny job within ``timeout`` seconds (probed in parallel).
+
+    Args:
+        hosts: host names to probe.
+        argv_for: the probe command for one host (a one-rank ``mpirun ... true``).
+        env: the probe's environment.
+        timeout: seconds per probe.
+
+    Returns:
+        The unreachable hosts, in the given order.
+    """
+    def ok(host: str) -> bool:
+        try:
+            proc = subprocess.run(argv_for(host), env=dict(env), stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL, timeout=timeout + 5,
+                                  start_new_session=True)
+        except (subprocess.TimeoutExpired, OSError):
+            return False
+        return proc.returncode == 0
+
+    if not hosts:
+        return []
+    with ThreadPoolExecutor(max_workers=min(8, len(hosts))) as pool:
+        answers = list(pool.map(ok, hosts))
+    return [h for h, good in zip(hosts, answers, strict=True) if not good]
+
+
+@dataclass
+class RestartState:
+    """Hosts still in the job and how often each was blamed.
+
+    Attributes:
+        hosts: the hosts still used (in the original order).
+        failures: host -> number of failed attempts it was blamed for.
+        excluded: hosts excluded so far, with the reason.
+    """
+
+    hosts: list[HostSlots]
+    failures: dict[str, int] = field(default_factory=dict)
+    excluded: dict[str, str] = field(default_factory=dict)
+
+    def blame(self, names: Sequence[str], exclude_after: int) -> list[str]:
+        """Count one failure for each of ``names``; exclude those blamed ``exclude_after`` times.
+
+        Returns:
+            The hosts excluded now.
+        """
+        now = []
+        for name in names:
+            self.failures[name] = self.failures.get(name, 0) + 1
+            if self.failures[name] >= exclude_after and name not in self.excluded:
+                now.append(name)
+                self.excluded[name] = f"its ranks failed {self.failures[name]} times"
+        self._drop(now)
+        return now
+
+    def unreachable(self, names: Sequence[str]) -> list[str]:
+        """Exclude hosts that did not answer the probe.
+
+        Returns:
+            The hosts excluded now.
+        """
+        now = [n for n in names if n not in self.excluded]
+        for name in now:
+            self.excluded[name] = "it did not answer a probe job"
+        self._drop(now)
+        return now
+
+    def _drop(self, names: Sequence[str]) -> None:
+        if names:
+            self.hosts = [h for h in self.hosts if h.host not in names]
