@@ -1,9 +1,11 @@
 """Pipeline parallelism: schedules as data, a simulator, stage partitioning.
 
-Everything here is pure Python; the runtime that executes a schedule with a
-framework adapter and a communicator builds on these pieces.
+Everything here is pure Python (no framework import): :class:`Pipeline` and the
+runtime drive framework glue (``plait.adapters.torch_pipeline``,
+``plait.adapters.keras_pipeline``) and a communicator's send/recv.
 """
 
+from .api import Pipeline, framework_of
 from .errors import (
     PartitionError,
     PipelineError,
@@ -29,6 +31,7 @@ from .schedule import (
     interleaved_1f1b,
     one_f_one_b,
 )
+from .runtime import Runtime, StageExecutor, StepStats
 from .simulate import SimResult, Span, simulate
 
 __all__ = [
@@ -36,17 +39,22 @@ __all__ = [
     "Action",
     "ActionKind",
     "PartitionError",
+    "Pipeline",
     "PipelineError",
     "PipelineTypeError",
+    "Runtime",
     "Schedule",
     "ScheduleDeadlock",
     "ScheduleError",
     "SimResult",
     "Span",
+    "StageExecutor",
+    "StepStats",
     "balance_by_cost",
     "check_balance",
     "check_microbatches",
     "format_schedule",
+    "framework_of",
     "get_schedule",
     "gpipe",
     "interleaved_1f1b",

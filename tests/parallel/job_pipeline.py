@@ -1,0 +1,241 @@
+"""Pipeline parallelism on every rank of a job (tests/test_jobs_pipeline.py).
+
+Equivalence: a P-stage pipeline (P = world size, or pp=2 of a dp=2 x pp=2
+mesh) must give the loss and weights that the unpartitioned model gives on
+one process after several optimizer steps; each rank computes that serial
+reference itself. Bad settings must raise on every rank before any message.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from plait.parallel.pipeline import PartitionError, Pipeline, PipelineError, PipelineTypeError
+
+STEPS = 3
+BATCH = 24
+WIDTHS = [8, 16, 16, 12, 5]  # 4 Linear/Dense layers with 3 tanh between: 7 layers
+
+
+def data(step: int) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(100 + step)
+    x = rng.standard_normal((BATCH, WIDTHS[0])).astype(np.float32)
+    y = rng.integers(0, WIDTHS[-1], size=BATCH).astype(np.int64)
+    return x, y
+
+
+# -- torch -----------------------------------------------------------------------------
+def torch_model():
+    import torch
+
+    torch.manual_seed(0)
+    layers: list = []
+    for i in range(len(WIDTHS) - 1):
+        layers.append(torch.nn.Linear(WIDTHS[i], WIDTHS[i + 1]))
+        if i < len(WIDTHS) - 2:
+            layers.append(torch.nn.Tanh())
+    return torch.nn.Sequential(*layers)
+
+
+def torch_opt(params):
+    import torch
+
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def torch_serial(rows: slice = slice(None)) -> tuple[list[float], list[np.ndarray]]:
+    import torch
+
+    model = torch_model()
+    opt = torch_opt(model.parameters())
+    losses = []
+    for step in range(STEPS):
+        x, y = data(step)
+        loss = torch.nn.functional.cross_entropy(model(torch.from_numpy(x)), torch.from_numpy(y))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, [layer_weights(m) for m in model]
+
+
+def layer_weights(layer) -> np.ndarray:
+    """All weights of one layer (torch module or keras layer) as one flat array."""
+    if hasattr(layer, "parameters"):
+        parts = [p.detach().numpy().reshape(-1) for p in layer.parameters()]
+    else:
+        parts = [np.asarray(v.numpy()).reshape(-1) for v in layer.trainable_variables]
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+# -- keras -----------------------------------------------------------------------------
+def keras_model():
+    import keras
+
+    keras.utils.set_random_seed(0)
+    layers: list = [keras.Input((WIDTHS[0],))]
+    for i in range(len(WIDTHS) - 1):
+        layers.append(keras.layers.Dense(WIDTHS[i + 1]))
+        if i < len(WIDTHS) - 2:
+            layers.append(keras.layers.Activation("tanh"))
+    return keras.Sequential(layers)
+
+
+def keras_loss():
+    import keras
+
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def keras_opt():
+    import keras
+
+    return keras.optimizers.SGD(learning_rate=0.1, momentum=0.9)
+
+
+def keras_serial() -> tuple[list[float], list[np.ndarray]]:
+    import tensorflow as tf
+
+    model, loss_fn, opt = keras_model(), keras_loss(), keras_opt()
+    losses = []
+    for step in range(STEPS):
+        x, y = data(step)
+        with tf.GradientTape() as tape:
+            loss = loss_fn(y, model(x, training=True))
+        grads = tape.gradient(loss, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        losses.append(float(loss))
+    return losses, [layer_weights(layer) for layer in model.layers]
+
+
+_SERIAL: dict[str, tuple[list[float], list[np.ndarray]]] = {}
+
+
+def serial(framework: str) -> tuple[list[float], list[np.ndarray]]:
+    if framework not in _SERIAL:
+        _SERIAL[framework] = torch_serial() if framework == "torch" else keras_serial()
+    return _SERIAL[framework]
+
+
+def make_pipeline(framework: str, comm, **kw) -> Pipeline:
+    if framework == "torch":
+        import torch
+
+        kw.setdefault("loss_fn", torch.nn.CrossEntropyLoss())
+        kw.setdefault("optimizer", torch_opt)
+        return Pipeline(torch_model(), comm=comm, **kw)
+    kw.setdefault("loss_fn", keras_loss())
+    kw.setdefault("optimizer", keras_opt())
+    return Pipeline(keras_model(), comm=comm, **kw)
+
+
+def batch(framework: str, step: int, rows: slice = slice(None)):
+    x, y = data(step)
+    x, y = x[rows], y[rows]
+    if framework == "torch":
+        import torch
+
+        return torch.from_numpy(x), torch.from_numpy(y)
+    return x, y
+
+
+def train_and_compare(framework: str, pipe: Pipeline, rows: slice = slice(None)) -> None:
+    ref_losses, ref_weights = serial(framework)
+    for step in range(STEPS):
+        x, y = batch(framework, step, rows)
+        loss = pipe.train_step(x, y)
+        assert abs(loss - ref_losses[step]) < 1e-5, (step, loss, ref_losses[step])
+    for s, (a, b) in enumerate(pipe.bounds):
+        if s not in pipe.stage_ids:
+            continue
+        for i, layer in enumerate(pipe.local_layers[s]):
+            np.testing.assert_allclose(layer_weights(layer), ref_weights[a + i], rtol=0, atol=1e-5,
+                                       err_msg=f"stage {s} layer {a + i}")
+    pipe.close()
+
+
+def schedules(size: int) -> list[tuple[str, int]]:
+    """(schedule, microbatches) pairs to run on ``size`` pipeline ranks."""
+    m = 2 * size
+    return [("gpipe", m), ("1f1b", m), ("1f1b", 1), ("interleaved", m)]
+
+
+FRAMEWORKS = ["torch", "keras"]
+
+
+# -- equivalence -------------------------------------------------------------------------------
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_every_schedule_matches_serial(comm, framework):
+    for name, m in schedules(comm.size):
+        pipe = make_pipeline(framework, comm, stages=comm.size, microbatches=m, schedule=name)
+        assert len(pipe.stage_ids) == (2 if name == "interleaved" else 1)
+        train_and_compare(framework, pipe)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_balance_and_checkpoint_match_serial(comm, framework):
+    x, _ = batch(framework, 0)
+    for kw in ({"balance": "params", "checkpoint": True},
+               {"balance": "time", "sample_input": x},
+               {"balance": [1] * (comm.size - 1) + [7 - (comm.size - 1)], "schedule": "gpipe"}):
+        pipe = make_pipeline(framework, comm, microbatches=comm.size, **kw)
+        everyone = comm.allgather_object(pipe.balance)
+        assert all(b == pipe.balance for b in everyone), everyone
+        train_and_compare(framework, pipe)
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_predict_returns_output_on_last_rank(comm, framework):
+    pipe = make_pipeline(framework, comm, microbatches=2)
+    x, _ = batch(framework, 0)
+    out = pipe.predict(x)
+    if pipe.is_last:
+        ref = torch_model()(x).detach().numpy() if framework == "torch" else keras_model()(x).numpy()
+        got = out.detach().numpy() if framework == "torch" else np.asarray(out)
+        np.testing.assert_allclose(got, ref, rtol=0, atol=1e-6)
+    else:
+        assert out is None
+    pipe.close()
+
+
+# -- errors, before any communication, on every rank ---------------------------------------------
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_bad_settings_raise_on_every_rank(comm, framework):
+    p = comm.size
+    with pytest.raises(PartitionError, match="fewer than"):
+        make_pipeline(framework, comm, schedule="interleaved", chunks=4, microbatches=p)
+    with pytest.raises(PipelineError, match="stages must equal"):
+        make_pipeline(framework, comm, stages=p + 1)
+    with pytest.raises(PipelineError, match="multiple of stages"):
+        make_pipeline(framework, comm, schedule="interleaved", microbatches=p + 1)
+    with pytest.raises(PartitionError, match="balance must sum"):
+        make_pipeline(framework, comm, balance=[1] * p)
+    with pytest.raises(PipelineError, match="schedule must be one of"):
+        make_pipeline(framework, comm, schedule="zigzag")
+    with pytest.raises(PipelineTypeError, match="loss_fn is required"):
+        make_pipeline(framework, comm, loss_fn=None)
+    pipe = make_pipeline(framework, comm, microbatches=5)
+    x, y = batch(framework, 0)
+    with pytest.raises(PartitionError, match="microbatches must divide batch_size=24"):
+        pipe.train_step(x, y)
+    pipe.close()
+    comm.barrier()  # nobody was left waiting for a message
+
+
+def test_model_type_is_checked():
+    with pytest.raises(PipelineTypeError, match="model must be"):
+        Pipeline(object(), loss_fn=lambda a, b: 0)
+
+
+# -- dp x pp (run with 4 ranks: -k mesh) -------------------------------------------------------------
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_mesh_dp2_pp2_matches_serial(comm, framework):
+    from plait import Mesh
+
+    mesh = Mesh(dp=2, pp=2, comm=comm)
+    dp = mesh.coords["dp"]
+    rows = slice(dp * BATCH // 2, (dp + 1) * BATCH // 2)
+    for name in ("1f1b", "interleaved"):
+        pipe = make_pipeline(framework, mesh, microbatches=2, schedule=name)
+        assert pipe.stages == 2 and pipe.rank == mesh.coords["pp"]
+        train_and_compare(framework, pipe, rows)
