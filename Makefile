@@ -22,7 +22,7 @@ test: setup lint typecheck
 	$(PY) -m pytest tests -q
 
 demo: setup
-	$(PY) -m plait.cli run -np 2 -- $(PY) examples/demo.py
+	$(PY) -m plait.cli run -np 2 --backend mpi -- $(PY) examples/torch_digits.py
 
 bench: setup
 	$(PY) benchmarks/run_all.py

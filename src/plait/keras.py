@@ -19,13 +19,14 @@ from .tensorflow import allgather, allreduce, broadcast, broadcast_variables
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "Product", "Sum",
-    "allgather", "allreduce", "broadcast", "broadcast_variables", "callbacks", "init",
+    "allgather", "backend", "allreduce", "broadcast", "broadcast_variables", "callbacks", "init",
     "is_initialized", "local_rank", "local_size", "rank", "shutdown", "size",
 ]
 
 _F = Face("tensorflow")
 init, shutdown, is_initialized = _F.init, _F.shutdown, _F.is_initialized
 rank, size, local_rank, local_size = _F.rank, _F.size, _F.local_rank, _F.local_size
+backend = _F.backend
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name

@@ -16,7 +16,7 @@ from .protocols import Communicator
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedGradientTape", "Max", "Min", "Product", "Sum",
-    "allgather", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
+    "allgather", "backend", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
     "broadcast_object", "broadcast_variables", "cross_rank", "cross_size", "grouped_allreduce",
     "init", "is_initialized", "local_rank", "local_size", "mpi_threads_supported", "rank",
     "reducescatter", "shutdown", "size",
@@ -25,6 +25,7 @@ __all__ = [
 _F = Face("tensorflow")
 init, shutdown, is_initialized = _F.init, _F.shutdown, _F.is_initialized
 rank, size, local_rank, local_size = _F.rank, _F.size, _F.local_rank, _F.local_size
+backend = _F.backend
 cross_rank, cross_size, mpi_threads_supported = _F.cross_rank, _F.cross_size, _F.mpi_threads_supported
 grouped_allreduce, allgather, broadcast = _F.grouped_allreduce, _F.allgather, _F.broadcast
 alltoall, reducescatter, barrier = _F.alltoall, _F.reducescatter, _F.barrier

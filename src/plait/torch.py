@@ -19,7 +19,7 @@ from .protocols import Communicator
 
 __all__ = [
     "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "Product", "Sum",
-    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
+    "allgather", "backend", "allgather_async", "allgather_object", "allreduce", "allreduce_",
     "allreduce_async", "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_async",
     "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "cross_rank",
     "cross_size", "grouped_allreduce", "init", "is_initialized", "local_rank", "local_size",
@@ -29,6 +29,7 @@ __all__ = [
 _F = Face("torch")
 init, shutdown, is_initialized = _F.init, _F.shutdown, _F.is_initialized
 rank, size, local_rank, local_size = _F.rank, _F.size, _F.local_rank, _F.local_size
+backend = _F.backend
 cross_rank, cross_size, mpi_threads_supported = _F.cross_rank, _F.cross_size, _F.mpi_threads_supported
 allreduce_async, grouped_allreduce = _F.allreduce_async, _F.grouped_allreduce
 allgather, allgather_async, broadcast_async = _F.allgather, _F.allgather_async, _F.broadcast_async

@@ -1,0 +1,83 @@
+"""Packaging, import hygiene, configuration errors and the command line (single process)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+from jobs import ROOT
+
+import plait
+from plait.config import Config
+
+
+def run_python(code: str) -> str:
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_import_plait_imports_no_framework_mpi_or_horovod():
+    out = run_python(
+        "import sys, plait, plait.parallel, plait.compression, plait.launch; "
+        "print(sorted(m for m in ('torch', 'tensorflow', 'keras', 'mpi4py', 'horovod') if m in sys.modules))"
+    )
+    assert out.strip() == "[]"
+
+
+def test_wheel_contains_every_package(tmp_path: Path):
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", str(tmp_path), str(ROOT)], check=True, timeout=300, capture_output=True)
+    wheel = next(tmp_path.glob("plait-*.whl"))
+    names = zipfile.ZipFile(wheel).namelist()
+    on_disk = {"plait/" + str(p.parent.relative_to(ROOT / "src" / "plait")).replace(".", "")
+               for p in (ROOT / "src" / "plait").rglob("__init__.py")}
+    on_disk |= {"plait/collectives/", "plait/adapters/"}
+    for package in on_disk:
+        prefix = package.rstrip("/") + "/"
+        assert any(n.startswith(prefix) for n in names), f"{package} missing from the wheel"
+
+
+def test_unknown_backend_lists_the_valid_ones():
+    with pytest.raises(plait.ConfigError, match=r"backend='nccl'.*\['auto', 'mpi', 'horovod'\]"):
+        plait.init("nccl")
+
+
+@pytest.mark.parametrize(("env", "match"), [
+    ({"PLAIT_BACKEND": "gloo"}, "backend='gloo'"),
+    ({"PLAIT_TIMEOUT": "soon"}, "PLAIT_TIMEOUT='soon'"),
+    ({"PLAIT_TIMEOUT": "-1"}, "timeout=-1.0"),
+    ({"PLAIT_CHECK": "maybe"}, "PLAIT_CHECK='maybe'"),
+])
+def test_bad_environment_settings_name_the_variable(env, match):
+    with pytest.raises(plait.ConfigError, match=match):
+        Config.from_env(env)
+
+
+def test_config_from_env_and_overrides():
+    cfg = Config.from_env({"PLAIT_BACKEND": "mpi", "PLAIT_CHECK": "0", "PLAIT_TIMEOUT": "5"}, timeout=7)
+    assert cfg == Config(backend="mpi", check=False, timeout=7.0)
+
+
+def test_plait_info_reports_versions():
+    proc = subprocess.run([sys.executable, "-m", "plait.cli", "info", "--json"], capture_output=True,
+                          text=True, timeout=600)
+    info = json.loads(proc.stdout)
+    assert info["plait"] == plait.__version__
+    assert info["mpi thread level"] == "multiple"
+    assert "mpi" in info["horovod built with"] and "gloo" in info["horovod built with"]
+    assert info["torch"].startswith("2.") and info["keras"].startswith("3.")
+
+
+def test_cli_rejects_unknown_commands():
+    proc = subprocess.run([sys.executable, "-m", "plait.cli", "launch"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "unknown command 'launch'" in proc.stderr
+
+
+def test_world_before_init_is_a_clear_error():
+    with pytest.raises(plait.PlaitError, match="plait.init"):
+        plait.world()
