@@ -1,0 +1,223 @@
+"""Single-process tests of plait.Checkpoint: the atomic protocol, corruption, codecs, kills mid-write."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from plait.checkpoint import Checkpoint, CheckpointError, atomic_write, list_complete, read_manifest
+from plait.checkpoint.atomic import write_checkpoint
+from plait.elastic import plan
+from plait.errors import ConfigError, PlaitTypeError
+
+torch = pytest.importorskip("torch")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def make(seed: int = 0) -> tuple[object, object]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 3))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def same(a: object, b: object) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values(),
+                                                   strict=True))
+
+
+def test_atomic_write_replaces_and_leaves_no_temporaries(tmp_path: Path) -> None:
+    target = tmp_path / "f.json"
+    atomic_write(str(target), b"one")
+    atomic_write(str(target), b"two")
+    assert target.read_bytes() == b"two"
+    assert os.listdir(tmp_path) == ["f.json"]
+
+
+def test_round_trip_every_keep_and_rng(tmp_path: Path) -> None:
+    from plait.compression import Residual
+
+    model, opt = make()
+    memory = Residual()
+    memory.residuals["w"] = torch.arange(3.0)
+    ckpt = Checkpoint(tmp_path, every=3, keep=2)
+    written = [s for s in range(1, 11) if ckpt.step_done(s, model, opt, {"ef": memory}, {"epoch": 1})]
+    assert written == [3, 6, 9]
+    assert [e.step for e in list_complete(str(tmp_path))] == [6, 9]
+    manifest = json.loads((tmp_path / "latest.json").read_text())
+    assert manifest["step"] == 9 and read_manifest(str(tmp_path)).step == 9
+    model2, opt2 = make(seed=1)
+    memory2 = Residual()
+    assert not same(model, model2)
+    assert ckpt.restore(model2, opt2, {"ef": memory2}) == 9
+    assert same(model, model2)
+    assert opt2.state_dict()["state"][0]["step"] == opt.state_dict()["state"][0]["step"]
+    assert torch.equal(memory2.residuals["w"], torch.arange(3.0))
+    assert ckpt.extra == {"epoch": 1} and ckpt.saved_size == 1
+
+
+def test_rng_states_restored(tmp_path: Path) -> None:
+    import random
+
+    import numpy as np
+
+    model, opt = make()
+    ckpt = Checkpoint(tmp_path)
+    ckpt.save(1, model, opt)
+    after = (torch.rand(3), np.random.rand(3), random.random())
+    torch.rand(7), np.random.rand(7), random.random()
+    ckpt.restore(model, opt)
+    again = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(after[0], again[0]) and (after[1] == again[1]).all() and after[2] == again[2]
+
+
+def test_fresh_directory_restores_step_zero(tmp_path: Path) -> None:
+    model, opt = make()
+    assert Checkpoint(tmp_path / "none").restore(model, opt) == 0
+
+
+def test_partly_written_checkpoint_is_never_chosen(tmp_path: Path) -> None:
+    model, opt = make()
+    ckpt = Checkpoint(tmp_path, keep=3)
+    ckpt.save(2, model, opt)
+    # what a writer killed mid-way leaves: a temporary directory without meta.json
+    partial = tmp_path / ".tmp-step-00000004-deadbeef"
+    partial.mkdir()
+    (partial / "state.pt").write_bytes(b"\x00" * 10)
+    assert ckpt.latest().step == 2
+    assert ckpt.restore(*make(1)) == 2
+    # a complete directory renamed into place before the manifest moved: manifest still wins
+    assert read_manifest(str(tmp_path)).step == 2
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "meta", "manifest", "missing"])
+def test_corrupt_checkpoint_names_file_and_reason(tmp_path: Path, damage: str) -> None:
+    model, opt = make()
+    entry = Checkpoint(tmp_path).save(5, model, opt)
+    state = tmp_path / entry.name / "state.pt"
+    if damage == "truncate":
+        state.write_bytes(state.read_bytes()[:100])
+        pattern = r"state\.pt: \d+ bytes, expected \d+"
+    elif damage == "flip":
+        data = bytearray(state.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        state.write_bytes(bytes(data))
+        pattern = r"state\.pt: sha256 mismatch"
+    elif damage == "meta":
+        (tmp_path / entry.name / "meta.json").write_text("{not json")
+        pattern = r"meta\.json: unreadable"
+    elif damage == "manifest":
+        (tmp_path / "latest.json").write_text(json.dumps({"format": 99, "latest": entry.name,
+                                                            "step": 5}))
+        pattern = r"latest\.json: format 99"
+    else:
+        state.unlink()
+        pattern = r"state\.pt: cannot be read"
+    with pytest.raises(CheckpointError, match=pattern):
+        Checkpoint(tmp_path).restore(*make(1))
+
+
+def test_pickled_object_is_refused(tmp_path: Path) -> None:
+    """A checkpoint whose payload needs unpickling of arbitrary classes is not loaded."""
+    model, opt = make()
+    entry = Checkpoint(tmp_path).save(1, model, opt)
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": model.state_dict(), "x": Path("/")}, evil)  # a non-tensor object
+    files = {"state.pt": evil.read_bytes()}
+    write_checkpoint(str(tmp_path), 2, files, {"framework": "torch"}, keep=3)
+    assert entry is not None
+    with pytest.raises(CheckpointError, match=r"state\.pt: cannot be loaded safely"):
+        Checkpoint(tmp_path).restore(*make(1))
+
+
+def test_incompatible_model_and_framework(tmp_path: Path) -> None:
+    model, opt = make()
+    Checkpoint(tmp_path).save(1, model, opt)
+    other = torch.nn.Linear(3, 3)
+    with pytest.raises(CheckpointError, match="does not fit the model"):
+        Checkpoint(tmp_path).restore(other, torch.optim.SGD(other.parameters(), lr=0.1))
+    write_checkpoint(str(tmp_path), 3, {"arrays.npz": b""}, {"framework": "tensorflow"}, keep=3)
+    with pytest.raises(CheckpointError, match="framework 'tensorflow'"):
+        Checkpoint(tmp_path).restore(*make(1))
+
+
+def test_bad_arguments() -> None:
+    with pytest.raises(ConfigError, match="every"):
+        Checkpoint("x", every=0)
+    with pytest.raises(ConfigError, match="keep"):
+        Checkpoint("x", keep=-1)
+    with pytest.raises(ConfigError, match="read"):
+        Checkpoint("x", read="nfs")
+    with pytest.raises(ConfigError, match="model"):
+        Checkpoint("x").save(1, object())
+    with pytest.raises(PlaitTypeError, match="state_dict"):
+        Checkpoint("x").save(1, torch.nn.Linear(1, 1), state={"bad": 3})
+
+
+def test_elastic_plan() -> None:
+    keep = plan(64, 0.1, size=2, base_size=4, policy="keep_batch")
+    assert (keep.global_batch, keep.local_batch, keep.lr) == (64, 32, 0.1)
+    scale = plan(64, 0.1, size=2, base_size=4, policy="scale_lr")
+    assert (scale.global_batch, scale.local_batch, scale.lr) == (32, 16, 0.05)
+    with pytest.raises(ConfigError, match="multiple of the new world size 3"):
+        plan(64, 0.1, size=3, base_size=4, policy="keep_batch")
+    with pytest.raises(ConfigError, match="PLAIT_ELASTIC_POLICY"):
+        from plait.elastic import policy_from_env
+
+        policy_from_env({"PLAIT_ELASTIC_POLICY": "grow"})
+
+
+WRITER = """
+import sys, torch
+from plait.checkpoint import Checkpoint
+torch.manual_seed(0)
+model = torch.nn.Linear(1024, 4096)  # 16 MB of weights: a write takes a while
+ckpt = Checkpoint(sys.argv[1], keep=2)
+step = int(sys.argv[2])
+while True:
+    step += 1
+    with torch.no_grad():
+        model.bias.fill_(step)
+    ckpt.save(step, model)
+"""
+
+
+def test_kill_during_checkpoint_writing_keeps_previous(tmp_path: Path) -> None:
+    """SIGKILL the writer while a checkpoint is half written, several times: the latest loads."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    model = torch.nn.Linear(1024, 4096)
+    with torch.no_grad():
+        model.bias.fill_(1)
+    Checkpoint(tmp_path, keep=2).save(1, model)
+    mid_write = 0
+    for round_ in range(3):
+        before = read_manifest(str(tmp_path)).step
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path), str(before)], env=env)
+        try:
+            deadline = time.monotonic() + 120
+            # wait until a checkpoint newer than the current one is being written (its
+            # temporary directory exists and it is not yet renamed), then kill
+            while time.monotonic() < deadline and proc.poll() is None:
+                names = os.listdir(tmp_path)
+                if any(n.startswith(f".tmp-step-{before + 1 + round_ % 2:08d}") for n in names):
+                    break
+                time.sleep(0.001)
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait()
+        if any(n.startswith(".tmp-step-") for n in os.listdir(tmp_path)):
+            mid_write += 1
+        got = Checkpoint(tmp_path).restore(model)
+        assert got >= before
+        assert torch.equal(model.bias, torch.full((4096,), float(got)))
+    assert mid_write >= 1, "no kill landed while a checkpoint was being written"
