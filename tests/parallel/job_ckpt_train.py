@@ -37,11 +37,7 @@ def main() -> None:
 
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
-    comm = plait.init()
-    if comm.backend == "mpi":
-        from plait.collectives.abort import install
-
-        install(every_exception=True)
+    comm = plait.init()  # on the MPI backend an uncaught error aborts the whole job
     attempt = restart_count()
     rank, size = comm.rank, comm.size
     steps, every = int(os.environ["FT_STEPS"]), int(os.environ.get("FT_EVERY", "2"))
