@@ -6,6 +6,7 @@ Environment:
     FT_STEPS    steps to train; FT_EVERY checkpoint interval; FT_BASE_SIZE ranks planned.
     FT_KILL     "attempt:rank:step[:w];..." -- SIGKILL that rank of that attempt just before
                 step (``w``: during the checkpoint written after that step).
+    FT_BATCH    global batch (default 64), kept when the world shrinks (PLAIT_ELASTIC_POLICY).
     FT_SLEEP    seconds to sleep per step (to give an outside test time to act).
 """
 
@@ -53,7 +54,7 @@ def main() -> None:
         y_all = torch.tensor(data["y"], dtype=torch.int64)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(32, 10))
-    p = plan(global_batch=64, lr=0.05, size=size, base_size=base)
+    p = plan(global_batch=int(os.environ.get("FT_BATCH", "64")), lr=0.05, size=size, base_size=base)
     opt = torch.optim.SGD(model.parameters(), lr=p.lr, momentum=0.9)
     ckpt = Checkpoint(os.environ["FT_DIR"], every=every, keep=2, comm=comm)
     start = ckpt.restore(model, opt)

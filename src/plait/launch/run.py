@@ -147,6 +147,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds before the first relaunch, doubled each time (default 1)")
     p.add_argument("--exclude-after", type=_positive_int, default=2, metavar="K",
                    help="exclude a host blamed for K failures (default 2)")
+    p.add_argument("--probe-timeout", type=_positive_float, default=15.0, metavar="S",
+                   help="after a failure, seconds each host has to answer a probe job (default 15)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     return p
 
@@ -432,7 +434,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 hosts = parse_hostfile(args.hostfile)
             policy = RestartPolicy(args.restarts, backoff=args.restart_backoff,
                                    backoff_max=max(30.0, args.restart_backoff),
-                                   exclude_after=args.exclude_after)
+                                   exclude_after=args.exclude_after,
+                                   probe_timeout=args.probe_timeout)
             return run_with_restarts(spec, policy, os.environ, os.geteuid() == 0, hosts)
         return run_command(cmd, spec.timeout)
     except FileNotFoundError:
