@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from conftest import make_comm
 from plait.parallel.pipeline import PartitionError, Pipeline, PipelineError, PipelineTypeError
 
 STEPS = 3
@@ -43,7 +44,7 @@ def torch_opt(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def torch_serial(rows: slice = slice(None)) -> tuple[list[float], list[np.ndarray]]:
+def torch_serial() -> tuple[list[float], list[np.ndarray]]:
     import torch
 
     model = torch_model()
@@ -163,6 +164,12 @@ def schedules(size: int) -> list[tuple[str, int]]:
 FRAMEWORKS = ["torch", "keras"]
 
 
+@pytest.fixture(scope="module")
+def comm():
+    """The MPI backend (point-to-point is MPI on both backends; see test_horovod_backend)."""
+    return make_comm("mpi")
+
+
 # -- equivalence -------------------------------------------------------------------------------
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_every_schedule_matches_serial(comm, framework):
@@ -170,6 +177,13 @@ def test_every_schedule_matches_serial(comm, framework):
         pipe = make_pipeline(framework, comm, stages=comm.size, microbatches=m, schedule=name)
         assert len(pipe.stage_ids) == (2 if name == "interleaved" else 1)
         train_and_compare(framework, pipe)
+
+
+def test_horovod_backend_matches_serial():
+    """Horovod communicator: p2p through its MPI side, loss broadcast through Horovod."""
+    hvd = make_comm("horovod")
+    pipe = make_pipeline("torch", hvd, microbatches=2 * hvd.size, schedule="1f1b")
+    train_and_compare("torch", pipe)
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
