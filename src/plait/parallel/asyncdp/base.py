@@ -1,0 +1,128 @@
+"""The interface every asynchronous algorithm implements, and what they share."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from plait.protocols import Communicator
+
+from .metrics import AsyncMetrics
+from .replica import Replica
+
+__all__ = ["AsyncAlgorithm", "require_point_to_point"]
+
+
+def require_point_to_point(comm: Communicator, algorithm: str) -> None:
+    """Raise a clear error when ``comm`` cannot send point-to-point messages.
+
+    Horovod has no point-to-point messages; plait's Horovod communicator sends them
+    through MPI when the job was started by mpirun (or horovodrun --mpi).
+
+    Raises:
+        NotImplementedError: under horovodrun --gloo (no MPI world).
+    """
+    probe = getattr(comm, "_p2p", None)
+    if probe is None:
+        return
+    try:
+        probe()
+    except NotImplementedError as exc:
+        raise NotImplementedError(
+            f"asynchronous data parallelism with algorithm={algorithm!r} needs point-to-point "
+            f"messages, which the {comm.backend} backend only has when the job is started by "
+            "mpirun (or horovodrun --mpi). Start it with mpirun, or use algorithm='local_sgd' "
+            f"or 'delayed' (collectives only). ({exc})"
+        ) from None
+
+
+class AsyncAlgorithm:
+    """One asynchronous data-parallel algorithm, framework-free.
+
+    Life cycle on every rank of ``comm``: :meth:`setup` (collective; makes all
+    replicas equal), then :meth:`step` once per training step on workers (or
+    :meth:`serve` on parameter-server ranks), then :meth:`synchronize`
+    (collective; leaves one model on every rank). ``step`` is called after the
+    backward pass, with the local gradients in the replica; it applies whatever
+    update the algorithm prescribes.
+
+    Args:
+        comm: the data-parallel communicator.
+    """
+
+    name = "base"
+    #: True for algorithms that need point-to-point messages.
+    point_to_point = False
+
+    def __init__(self, comm: Communicator) -> None:
+        self.comm = comm
+        self.metrics = AsyncMetrics(comm.rank, self.role, self.name)
+        self._setup_done = False
+        self._finished = False
+
+    # -- roles ------------------------------------------------------------------------
+    @property
+    def role(self) -> str:
+        """"worker" or "server"."""
+        return "worker"
+
+    @property
+    def is_server(self) -> bool:
+        """True on ranks that serve parameters instead of training."""
+        return self.role == "server"
+
+    # -- life cycle -----------------------------------------------------------------------
+    def setup(self, replica: Replica) -> None:
+        """Collective: give every replica rank 0's parameters and start the algorithm."""
+        if self._setup_done:
+            return
+        if self.point_to_point:
+            require_point_to_point(self.comm, self.name)
+        params = self.comm.broadcast(replica.get_params(), 0, name="asyncdp.setup")
+        replica.set_params(params)
+        self._start(replica)
+        self._setup_done = True
+
+    def _start(self, replica: Replica) -> None:
+        """Algorithm-specific start (after the initial broadcast)."""
+
+    def step(self, replica: Replica) -> None:
+        """One training step on a worker: the local gradients are in ``replica``."""
+        raise NotImplementedError
+
+    def serve(self, replica: Replica) -> None:
+        """Serve until every worker finished (parameter-server ranks only).
+
+        Raises:
+            RuntimeError: on a rank that is not a server.
+        """
+        raise RuntimeError(
+            f"rank {self.comm.rank} is a {self.role} of algorithm {self.name!r}: only server ranks "
+            "call serve(); workers call step()")
+
+    def synchronize(self, replica: Replica) -> None:
+        """Collective: finish pending work and leave one identical model on every rank.
+
+        Every rank calls it once after its last step (the numbers of steps may
+        differ only for the point-to-point algorithms).
+        """
+        if not self._finished:
+            self._finish(replica)
+            self._finished = True
+        self._average(replica)
+
+    def _finish(self, replica: Replica) -> None:
+        """Algorithm-specific end (drain messages, apply pending updates)."""
+
+    def _average(self, replica: Replica) -> None:
+        avg = self.comm.allreduce(replica.get_params(), "average", name="asyncdp.synchronize")
+        replica.set_params(np.asarray(avg, dtype=np.float32))
+
+    def gather_metrics(self) -> list[dict[str, Any]]:
+        """Collective: every rank's :meth:`AsyncMetrics.summary`, in rank order."""
+        return self.comm.allgather_object(self.metrics.summary())
+
+    def describe(self) -> dict[str, Any]:
+        """The algorithm's settings."""
+        return {"algorithm": self.name}
