@@ -6,6 +6,7 @@ export OMPI_ALLOW_RUN_AS_ROOT := 1
 export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 export OMPI_MCA_mpi_yield_when_idle := 1
 export PYTHONUNBUFFERED := 1
+export TF_CPP_MIN_LOG_LEVEL := 2
 
 .PHONY: setup test lint typecheck unit demo bench info clean
 

@@ -154,7 +154,8 @@ class HorovodCommunicator(CommunicatorBase):
     def _native(self, ops: TensorOps, tensor: Tensor, carry: str | None) -> Any:
         lib = self._w.ops
         if ops.framework == lib.framework:
-            t = tensor if ops.framework != "tensorflow" else _tf_value(tensor)
+            # Horovod's torch ops need contiguous memory (autograd hands in expanded views)
+            t = tensor.contiguous() if ops.framework == "torch" else _tf_value(tensor)
             if carry is None:
                 return t
             if carry == "int16" and lib.framework == "torch":
@@ -212,6 +213,11 @@ class HorovodCommunicator(CommunicatorBase):
 
         return tf.init_scope()
 
+    def _timed_out(self) -> CollectiveTimeoutError:
+        return CollectiveTimeoutError(
+            f"{self!r}: waited {self.timeout:g}s for the other ranks to reach a collective; "
+            "some rank is dead, stuck or calling something else")
+
     def _raw_min(self, values: np.ndarray) -> np.ndarray:
         with self._eager():
             return self._raw_min_eager(values)
@@ -224,10 +230,7 @@ class HorovodCommunicator(CommunicatorBase):
             deadline = time.monotonic() + self.timeout
             while not hvd.poll(h):
                 if time.monotonic() > deadline:
-                    raise CollectiveTimeoutError(
-                        f"{self!r}: waited {self.timeout:g}s for the other ranks to reach a "
-                        "collective; some rank is dead, stuck or calling something else"
-                    )
+                    raise self._timed_out()
                 time.sleep(1e-4)
             return np.asarray(lib.to_numpy(hvd.synchronize(h)))
         # horovod.tensorflow has no handles: wait on a worker thread (one, so the
@@ -238,10 +241,7 @@ class HorovodCommunicator(CommunicatorBase):
         try:
             return np.asarray(lib.to_numpy(future.result(timeout=self.timeout)))
         except concurrent.futures.TimeoutError:
-            raise CollectiveTimeoutError(
-                f"{self!r}: waited {self.timeout:g}s for the other ranks to reach a "
-                "collective; some rank is dead, stuck or calling something else"
-            ) from None
+            raise self._timed_out() from None
 
     def _raw_allgather_bytes(self, data: np.ndarray) -> np.ndarray:
         with self._eager():

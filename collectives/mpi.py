@@ -8,7 +8,6 @@ patterns, so they cross the wire at 2 bytes per element.
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,7 +22,7 @@ from plait.protocols import Handle, Tensor
 from .base import CommunicatorBase, Pending, check_splits, floating, reducescatter_counts
 from .check import Call
 
-__all__ = ["MPICommunicator", "abort_on_uncaught_exception", "thread_level"]
+__all__ = ["MPICommunicator", "thread_level"]
 
 _BUILTIN = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD,
             "average": MPI.SUM}
@@ -42,28 +41,6 @@ def thread_level() -> str:
     names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
     return names.get(MPI.Query_thread(), "unknown")
-
-
-def abort_on_uncaught_exception() -> None:
-    """Make an uncaught exception on any rank abort the whole MPI job.
-
-    Without this, the failed rank hangs in ``MPI_Finalize`` while the others wait
-    in a collective (until plait's timeout). Same behaviour as ``python -m mpi4py``.
-    """
-    previous = sys.excepthook
-    if getattr(previous, "_plait_abort", False):
-        return
-
-    def hook(kind: type[BaseException], value: BaseException, tb: Any) -> None:
-        previous(kind, value, tb)
-        if MPI.COMM_WORLD.Get_size() > 1 and not MPI.Is_finalized():
-            sys.stderr.write(f"plait: rank {MPI.COMM_WORLD.Get_rank()} failed with "
-                             f"{kind.__name__}; aborting the job\n")
-            sys.stderr.flush()
-            MPI.COMM_WORLD.Abort(1)
-
-    hook._plait_abort = True  # type: ignore[attr-defined]
-    sys.excepthook = hook
 
 
 def _half_op(dtype: str, op: str) -> MPI.Op:

@@ -10,6 +10,7 @@ import pytest
 from jobs import pytest_argv, run_job
 
 HVD_TF = {"PLAIT_TEST_HOROVOD_FRAMEWORK": "tensorflow"}  # horovod.tensorflow as the library
+# (ids show the env values: "-tensorflow" means that library, "-mpi"/"-horovod" the world backend)
 
 JOBS = [
     ("mpirun", 2, "job_collectives.py", {}),
@@ -21,13 +22,16 @@ JOBS = [
     ("horovodrun-gloo", 2, "job_dp_torch.py", {}),
     ("mpirun", 2, "job_compression.py", {}),
     ("mpirun", 2, "job_dp_tf.py", {}),
+    ("mpirun", 2, "job_faces.py", {"PLAIT_BACKEND": "mpi"}),
+    ("mpirun", 2, "job_faces.py", {"PLAIT_BACKEND": "horovod"}),
     ("horovodrun-mpi", 2, "job_dp_tf.py", HVD_TF),
 ]
 
 
 def _id(job: tuple[str, int, str, dict[str, str]]) -> str:
     launcher, np, file, env = job
-    return f"{file[4:-3]}-{launcher}-np{np}" + ("-hvdtf" if env else "")
+    tag = "".join(f"-{v}" for v in env.values())
+    return f"{file[4:-3]}-{launcher}-np{np}{tag}"
 
 
 @pytest.mark.parametrize(("launcher", "np", "job", "env"), JOBS, ids=[_id(j) for j in JOBS])

@@ -94,13 +94,13 @@ def init(backend: str | None = None, *, check: bool | None = None, timeout: floa
                 f"backend 'mpi' needs mpi4py and an MPI library ({exc}); run `make setup`"
             ) from exc
         comm = mpi.MPICommunicator(mpi.MPI.COMM_WORLD.Dup(), check=cfg.check, timeout=cfg.timeout)
-        mpi.abort_on_uncaught_exception()
     else:
         hvd = importlib.import_module("plait.collectives.horovod")
         comm = hvd.HorovodCommunicator(_framework(cfg.framework), check=cfg.check,
                                        timeout=cfg.timeout)
-        if hvd.mpi_launched():
-            importlib.import_module("plait.collectives.mpi").abort_on_uncaught_exception()
+    if name == "mpi" or importlib.import_module("plait.collectives.horovod").mpi_launched():
+        # a rank dying of any uncaught exception ends the job instead of hanging its peers
+        importlib.import_module("plait.collectives.abort").install(every_exception=True)
     _RUNTIME.world = comm
     return comm
 
