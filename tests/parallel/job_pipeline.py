@@ -158,7 +158,8 @@ def train_and_compare(framework: str, pipe: Pipeline, rows: slice = slice(None))
 def schedules(size: int) -> list[tuple[str, int]]:
     """(schedule, microbatches) pairs to run on ``size`` pipeline ranks."""
     m = 2 * size
-    return [("gpipe", m), ("1f1b", m), ("1f1b", 1), ("interleaved", m)]
+    fewer = [("1f1b", 1)] if size == 2 else []  # M < P: 1F1B is all warm-up and drain
+    return [("gpipe", m), ("1f1b", m), *fewer, ("interleaved", m)]
 
 
 FRAMEWORKS = ["torch", "keras"]
@@ -249,7 +250,7 @@ def test_mesh_dp2_pp2_matches_serial(comm, framework):
     mesh = Mesh(dp=2, pp=2, comm=comm)
     dp = mesh.coords["dp"]
     rows = slice(dp * BATCH // 2, (dp + 1) * BATCH // 2)
-    for name in ("1f1b", "interleaved"):
+    for name in ("1f1b", "interleaved") if framework == "torch" else ("1f1b",):
         pipe = make_pipeline(framework, mesh, microbatches=2, schedule=name)
         assert pipe.stages == 2 and pipe.rank == mesh.coords["pp"]
         train_and_compare(framework, pipe, rows)
