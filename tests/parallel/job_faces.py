@@ -109,3 +109,35 @@ def test_faces_reject_bad_arguments():
         plait.DataParallel(mode="turbo")
     with pytest.raises(plait.ConfigError, match="comm="):
         hvd.init(comm=[0, 1])
+
+
+def test_shards_are_disjoint_cover_the_data_and_shuffle_alike():
+    from plait.parallel.sharding import shard_indices
+
+    n, size, rank = 23, hvd.size(), hvd.rank()
+    for epoch in range(3):
+        mine = shard_indices(n, rank, size, epoch=epoch, seed=7)
+        everyone = plait.world().allgather_object(mine.tolist())
+        assert all(len(s) == -(-n // size) for s in everyone)  # padded to equal length
+        assert set().union(*map(set, everyone)) == set(range(n))
+        dropped = plait.world().allgather_object(
+            shard_indices(n, rank, size, epoch=epoch, seed=7, drop_last=True).tolist())
+        flat = [i for s in dropped for i in s]
+        assert len(flat) == len(set(flat)) == (n // size) * size
+    assert not np.array_equal(shard_indices(n, 0, 1, epoch=0), shard_indices(n, 0, 1, epoch=1))
+    with pytest.raises(plait.ConfigError, match="rank=5"):
+        shard_indices(n, 5, 2)
+
+
+def test_progress_only_on_rank_zero_log_prefix_and_metric_average(capsys):
+    from plait.progress import average_metrics, log, progress
+
+    comm = plait.world()
+    bar = progress(range(3), comm, disable=True)
+    assert (type(bar).__name__ == "tqdm") == (comm.rank == 0) and list(bar) == [0, 1, 2]
+    log(comm, "hello", 1)
+    assert capsys.readouterr().out == f"[rank {comm.rank}/{comm.size}] hello 1\n"
+    log(comm, "only root", root_only=True)
+    assert ("only root" in capsys.readouterr().out) == (comm.rank == 0)
+    assert average_metrics({"loss": float(comm.rank), "acc": 1.0}, comm) == {
+        "acc": 1.0, "loss": (comm.size - 1) / 2}
