@@ -379,3 +379,48 @@ def test_keras_plan_errors_name_the_layer(mcomm):
         TensorParallel({"odd": VocabParallel()}, comm=comm).apply(m)
     with pytest.raises(ConfigError, match="plan='nope'"):
         TensorParallel({"nope": Colwise()}, comm=comm).apply(m)
+
+
+def test_torch_plan_channel_split_conv_model(mcomm):
+    import torch
+
+    from plait.parallel.tensor import ChannelSplit, TensorParallel
+
+    def net(seed):
+        torch.manual_seed(seed)
+        return torch.nn.Sequential(torch.nn.Conv2d(3, 6, 3), torch.nn.ReLU(), torch.nn.Flatten(),
+                                   torch.nn.Linear(6 * 3 * 3, 4))
+
+    x = torch.randn(2, 3, 5, 5, generator=torch.Generator().manual_seed(6))
+    dense = net(0)
+    sharded = TensorParallel({"0": ChannelSplit()}, comm=mcomm).apply(net(mcomm.rank))
+    close(sharded(x).detach(), dense(x).detach(), "conv model output")
+    dense(x).square().sum().backward()
+    sharded(x).square().sum().backward()
+    close(sharded[0].weight.grad, shard(dense[0].weight.grad, mcomm, 0), "conv weight grad")
+    close(sharded[3].weight.grad, dense[3].weight.grad, "replicated head grad")
+
+
+def test_keras_plan_embedding_and_conv_models(mcomm):
+    import keras
+
+    from plait.parallel.tensor import ChannelSplit, TensorParallel, VocabParallel
+
+    def emb_net(seed):
+        keras.utils.set_random_seed(seed)
+        return keras.Sequential([keras.Input((3,), dtype="int32"),
+                                 keras.layers.Embedding(VOCAB, IN, name="emb"),
+                                 keras.layers.Flatten(), keras.layers.Dense(4, name="head")])
+
+    def conv_net(seed):
+        keras.utils.set_random_seed(seed)
+        inp = keras.Input((5, 5, 3))
+        h = keras.layers.Conv2D(6, 3, padding="same", activation="relu", name="conv")(inp)
+        return keras.Model(inp, keras.layers.Dense(2, name="head")(keras.layers.Flatten()(h)))
+
+    ids = np.array([[0, 5, 11], [7, 3, 6]], dtype=np.int32)
+    sharded = TensorParallel({"emb": VocabParallel()}, comm=mcomm).apply(emb_net(mcomm.rank))
+    close(sharded(ids), emb_net(0)(ids), "embedding model output")
+    x = np.random.default_rng(7).standard_normal((2, 5, 5, 3)).astype(np.float32)
+    sharded = TensorParallel({"conv": ChannelSplit()}, comm=mcomm).apply(conv_net(mcomm.rank))
+    close(sharded(x), conv_net(0)(x), "conv model output")
