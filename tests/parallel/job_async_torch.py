@@ -77,8 +77,8 @@ def train(comm, steps, mode="sync", lr=0.2, momentum=0.5, slow=None, seconds=Non
     if getattr(dopt, "is_server", False):
         dopt.serve()
     else:
-        workers = comm.size - options.get("servers", 1) if options.get("algorithm") in ("ps",
-                                                                                      "parameter_server") else comm.size
+        ps = options.get("algorithm") in ("ps", "parameter_server")
+        workers = comm.size - options.get("servers", 1) if ps else comm.size
         me = comm.rank - (comm.size - workers)
         n = step_counts[comm.rank] if step_counts else steps
         start = time.monotonic()

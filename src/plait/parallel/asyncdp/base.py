@@ -8,6 +8,7 @@ import numpy as np
 
 from plait.protocols import Communicator
 
+from .guard import track, untrack
 from .metrics import AsyncMetrics
 from .replica import Replica
 
@@ -83,6 +84,8 @@ class AsyncAlgorithm:
         replica.set_params(params)
         self._start(replica)
         self._setup_done = True
+        if self.comm.size > 1:
+            track(self, f"rank {self.comm.rank} ({self.name} {self.role})")
 
     def _start(self, replica: Replica) -> None:
         """Algorithm-specific start (after the initial broadcast)."""
@@ -111,6 +114,7 @@ class AsyncAlgorithm:
             self._finish(replica)
             self._finished = True
         self._average(replica)
+        untrack(self)
 
     def _finish(self, replica: Replica) -> None:
         """Algorithm-specific end (drain messages, apply pending updates)."""

@@ -6,17 +6,12 @@ the communicator's timeout) and queue what arrives; one sending thread sends in
 order, so a rank never blocks on a slow peer when posting. A peer ends its stream
 with a DONE header.
 
-If a process exits while a mailbox is still open (a crash before
-``synchronize()``), an exit handler aborts the process with status 1 without
-finalising MPI, so mpirun ends the whole job at once instead of the peers waiting
-for messages that will never come.
+An open mailbox is registered with :mod:`.guard`: a process that exits with one
+open (a crash) aborts instead of leaving its peers waiting.
 """
 
 from __future__ import annotations
 
-import atexit
-import os
-import sys
 import threading
 import time
 from collections import deque
@@ -28,30 +23,14 @@ import numpy as np
 from plait.errors import CollectiveTimeoutError
 from plait.protocols import Communicator
 
+from .guard import track, untrack
+
 __all__ = ["DONE", "UPDATE", "Mailbox", "Message"]
 
 UPDATE, DONE = 1, 2
 
 #: (peer, header, payload or None)
 Message = tuple[int, np.ndarray, "np.ndarray | None"]
-
-_LIVE: set[Mailbox] = set()
-
-
-def _abort_if_open() -> None:
-    if not _LIVE:
-        return
-    ranks = sorted({m.comm.rank for m in _LIVE})
-    sys.stderr.write(
-        f"plait.asyncdp: rank {ranks[0]} is exiting with asynchronous messages in flight (it stopped "
-        "before synchronize(), e.g. after an error); aborting so that the other ranks do not hang\n")
-    sys.stderr.flush()
-    sys.stdout.flush()
-    os._exit(1)
-
-
-atexit.register(_abort_if_open)
-
 
 class Mailbox:
     """Queued receiving from ``peers`` and ordered sending, on background threads.
@@ -75,7 +54,7 @@ class Mailbox:
         self._sender = ThreadPoolExecutor(1, thread_name_prefix="plait-async-send")
         self._threads = [threading.Thread(target=self._receive, args=(p,), daemon=True,
                                           name=f"plait-async-recv-{p}") for p in self.peers]
-        _LIVE.add(self)
+        track(self, f"rank {comm.rank}'s mailbox")
         for t in self._threads:
             t.start()
 
@@ -162,7 +141,7 @@ class Mailbox:
                     f"rank {self.comm.rank}: {t.name} got no DONE within {timeout:g}s")
         if self._error is not None:
             raise self._error
-        _LIVE.discard(self)
+        untrack(self)
 
     def __repr__(self) -> str:
         return f"<Mailbox rank={self.comm.rank} peers={self.peers}>"

@@ -1,0 +1,30 @@
+"""A parameter-server job whose last worker crashes mid-training (tests/test_jobs_async.py).
+
+The crashing rank's test fails; since asynchronous messages are in flight, the
+process aborts at exit and mpirun ends the job: no rank may hang.
+"""
+
+from __future__ import annotations
+
+import torch
+from conftest import make_comm
+
+import plait
+
+
+def test_worker_crash():
+    comm = make_comm("mpi")
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 2)
+    opt = plait.DataParallel(comm=comm, mode="async", algorithm="ps").optimizer(
+        torch.optim.SGD(m.parameters(), lr=0.1))
+    if opt.is_server:
+        opt.serve()
+    else:
+        for step in range(50):
+            m(torch.ones(4, 8)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+            if comm.rank == comm.size - 1 and step == 5:
+                raise RuntimeError("the last worker crashes on purpose")
+    opt.synchronize()
