@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from conftest import make_comm
+
 from plait.parallel.pipeline import PartitionError, Pipeline, PipelineError, PipelineTypeError
 
 STEPS = 3
@@ -146,7 +147,7 @@ def train_and_compare(framework: str, pipe: Pipeline, rows: slice = slice(None))
         x, y = batch(framework, step, rows)
         loss = pipe.train_step(x, y)
         assert abs(loss - ref_losses[step]) < 1e-5, (step, loss, ref_losses[step])
-    for s, (a, b) in enumerate(pipe.bounds):
+    for s, (a, _b) in enumerate(pipe.bounds):
         if s not in pipe.stage_ids:
             continue
         for i, layer in enumerate(pipe.local_layers[s]):

@@ -20,6 +20,7 @@ from .partition import (
     partition_sizes_to_bounds,
     stage_costs,
 )
+from .runtime import Runtime, StageExecutor, StepStats
 from .schedule import (
     SCHEDULES,
     Action,
@@ -31,7 +32,6 @@ from .schedule import (
     interleaved_1f1b,
     one_f_one_b,
 )
-from .runtime import Runtime, StageExecutor, StepStats
 from .simulate import SimResult, Span, simulate
 
 __all__ = [

@@ -274,11 +274,11 @@ class Pipeline:
         self.params.zero_grad()
         losses, self.last_stats = self.runtime.run(self.actions, inputs, targets)
         if self.data_comm is not None:
-            self._average_gradients()
+            self._average_gradients(self.data_comm)
         self.params.step()
         return self._share_loss(float(np.mean(losses)) if losses else 0.0)
 
-    def _average_gradients(self) -> None:
+    def _average_gradients(self, data: Communicator) -> None:
         from plait.adapters import ops_for
         from plait.parallel.data import GradientReducer, GradSpec
 
@@ -288,7 +288,7 @@ class Pipeline:
             for i, g in enumerate(grads):
                 ops = ops_for(g)
                 specs.append(GradSpec(f"pp{self.rank}.{i}", tuple(ops.shape(g)), ops.dtype_name(g)))
-            self._reducer = (GradientReducer(self.data_comm, specs, op="average",
+            self._reducer = (GradientReducer(data, specs, op="average",
                                              prefix=f"pipegrad{self.rank}"), specs)
         reducer, specs = self._reducer
         for spec, g in zip(specs, grads):

@@ -147,7 +147,7 @@ class _Sender:
 
     def __init__(self, comm: Communicator, workers: int) -> None:
         self.comm = comm
-        self.native = getattr(comm, "send_async", None)
+        self.native: Any = getattr(comm, "send_async", None)
         self.timeout = float(getattr(comm, "timeout", 300.0))
         self.pool = None if self.native else ThreadPoolExecutor(
             max_workers=max(2, workers), thread_name_prefix="plait-pipeline-send")
