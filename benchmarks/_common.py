@@ -2,7 +2,7 @@
 
 Conventions (``run_all.py`` relies on them):
 
-* ``python benchmarks/NAME.py [--quick] [--out BASE]`` writes ``BASE.json`` and
+* ``python benchmarks/NAME.py [--quick] [--smoke] [--out BASE]`` writes ``BASE.json`` and
   ``BASE.md`` (default ``BASE = benchmarks/results/NAME``) and exits 0.
 * The JSON is ``{"benchmark": NAME, "meta": {...}, "rows": [{...}, ...], ...}``;
   timed values are ``{"min": .., "median": .., "max": .., "n": ..}`` (see :func:`stats`).
@@ -59,6 +59,8 @@ def parse_args(description: str, argv: Sequence[str] | None = None,
     name = Path(sys.argv[0]).stem
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--quick", action="store_true", help="a short run (under a minute)")
+    p.add_argument("--smoke", action="store_true",
+                   help="the smallest run that exercises every row (for tests; implies --quick)")
     p.add_argument("--out", default=str(RESULTS / name),
                    help="output path without extension: writes OUT.json and OUT.md")
     p.add_argument("--np", type=int, default=2, help="number of ranks (default 2)")
@@ -68,6 +70,8 @@ def parse_args(description: str, argv: Sequence[str] | None = None,
     if extra is not None:
         extra(p)
     args = p.parse_args(argv)
+    if args.smoke:
+        args.quick = True
     if not args.timeout:
         args.timeout = 300 if args.quick else 1800
     if args.out.endswith(".json") or args.out.endswith(".md"):
@@ -106,7 +110,8 @@ def launch(script: str, args: argparse.Namespace, worker: str = "1",
     inner = max(30, int(args.timeout) - 10)
     cmd = [mpirun, "-np", str(args.np), "--oversubscribe", "--bind-to", "none",
            "--timeout", str(inner), sys.executable, str(Path(script).resolve()),
-           "--worker", worker, "--out", args.out, *(["--quick"] if args.quick else []), *forward]
+           "--worker", worker, "--out", args.out, *(["--quick"] if args.quick else []),
+           *(["--smoke"] if getattr(args, "smoke", False) else []), *forward]
     try:
         proc = subprocess.run(cmd, env=mpi_env(env), timeout=args.timeout, start_new_session=True)
     except subprocess.TimeoutExpired:

@@ -44,6 +44,7 @@ WRAPS = {"plait-mpi": "mpi4py", "plait-mpi-nocheck": "mpi4py", "plait-horovod": 
          "plait-horovod-nocheck": "horovod"}
 FULL_SIZES = [4, 64, 1024, 16 * 1024, 256 * 1024, 2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20]
 QUICK_SIZES = [4, 1024, 64 * 1024, 2**20, 4 * 2**20]
+SMOKE_SIZES = [4, 64 * 1024]
 
 
 def iterations(nbytes: int, quick: bool) -> int:
@@ -108,13 +109,13 @@ def worker(args: Any) -> int:
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD
     impls = _setup(world)
-    sizes = QUICK_SIZES if args.quick else FULL_SIZES
-    repeats = 3 if args.quick else 7
+    sizes = SMOKE_SIZES if args.smoke else QUICK_SIZES if args.quick else FULL_SIZES
+    repeats = 2 if args.smoke else 3 if args.quick else 7
     sync = world.Barrier
     samples = np.zeros((len(IMPLS), len(sizes), repeats))
     for si, nbytes in enumerate(sizes):
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-        iters = iterations(nbytes, args.quick)
+        iters = 2 if args.smoke else iterations(nbytes, args.quick)
         for fn in impls.values():  # warm up: connections, caches, first-call costs
             fn(t)
         for r in range(repeats):
@@ -130,7 +131,8 @@ def worker(args: Any) -> int:
     world.Allreduce(samples, slowest, MPI.MAX)
     if world.rank == 0:
         rows, ratios = _rows(slowest, sizes, world.size)
-        m = meta(quick=args.quick, np=world.size, repeats=repeats, dtype="float32", op="sum",
+        m = meta(quick=args.quick, smoke=args.smoke, np=world.size, repeats=repeats, dtype="float32",
+                 op="sum",
                  versions=versions(), load_note=load_note())
         write_results(args.out, "allreduce", rows, _markdown(rows, ratios, sizes, m), m,
                       ratios=ratios)

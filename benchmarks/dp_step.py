@@ -40,18 +40,20 @@ PEERS = {"torch": ["horovod", "ddp-gloo"], "tensorflow": ["horovod", "tf-mwms"]}
 PLAIT = ["plait-mpi", "plait-horovod"]
 
 
-def _plan(quick: bool) -> tuple[int, int, list[str]]:
+def _plan(args: Any) -> tuple[int, int, list[str]]:
     """(repeats, steps per sample, models)."""
-    return (3, 3, ["mlp", "cnn"]) if quick else (7, 10, ["mlp", "cnn"])
+    if args.smoke:
+        return 2, 1, ["mlp", "cnn"]
+    return (3, 3, ["mlp", "cnn"]) if args.quick else (7, 10, ["mlp", "cnn"])
 
 
-def _measure(world: Any, impls: dict[str, Callable[[], None]], quick: bool,
+def _measure(world: Any, impls: dict[str, Callable[[], None]], args: Any,
              only_rank0: tuple[str, ...] = ("single",)) -> dict[str, list[float]]:
     """Seconds per step of every implementation (slowest rank), interleaved over repeats."""
     import numpy as np
     from mpi4py import MPI
 
-    repeats, steps, _ = _plan(quick)
+    repeats, steps, _ = _plan(args)
     for name, fn in impls.items():  # warm up (graph tracing, buffers, connections)
         if name not in only_rank0 or world.rank == 0:
             fn()
@@ -105,7 +107,7 @@ def torch_worker(args: Any) -> dict[str, Any]:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank,
                             world_size=world.size)
     out: dict[str, Any] = {}
-    for kind in _plan(args.quick)[2]:
+    for kind in _plan(args)[2]:
         g = torch.Generator().manual_seed(world.rank)
         shape = (BATCH, MLP[0]) if kind == "mlp" else (BATCH, 3, 32, 32)
         x, y = torch.randn(*shape, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
@@ -130,7 +132,7 @@ def torch_worker(args: Any) -> dict[str, Any]:
                 opt = torch.optim.SGD(model.parameters(), lr=0.01)
             impls[name] = stepper(model, opt)
         params = sum(p.numel() for p in _torch_model(kind).parameters())
-        out[kind] = {"params": params, "seconds": _measure(world, impls, args.quick)}
+        out[kind] = {"params": params, "seconds": _measure(world, impls, args)}
         if world.rank == 0:
             print(f"  torch {kind} done", flush=True)
     dist.destroy_process_group()
@@ -197,7 +199,7 @@ def tf_worker(args: Any) -> dict[str, Any]:
              "plait-horovod": HorovodCommunicator("tensorflow")}
     lr = 0.01
     out: dict[str, Any] = {}
-    for kind in _plan(args.quick)[2]:
+    for kind in _plan(args)[2]:
         g = tf.random.Generator.from_seed(world.rank)
         shape = [BATCH, MLP[0]] if kind == "mlp" else [BATCH, 32, 32, 3]
         x = g.normal(shape)
@@ -228,7 +230,7 @@ def tf_worker(args: Any) -> dict[str, Any]:
         impls["tf-mwms"] = _mwms_stepper(strategy, kind, loss_of, lr)
         model = _tf_model(kind)
         params = int(sum(int(tf.size(v)) for v in list(model.w) + list(model.b)))
-        out[kind] = {"params": params, "seconds": _measure(world, impls, args.quick)}
+        out[kind] = {"params": params, "seconds": _measure(world, impls, args)}
         if world.rank == 0:
             print(f"  tensorflow {kind} done", flush=True)
     return out
@@ -334,8 +336,9 @@ def main(argv: list[str] | None = None) -> int:
         rows += r
         ratios += q
         vers.update(data["versions"])
-    repeats, steps, _ = _plan(args.quick)
-    m = meta(quick=args.quick, np=args.np, repeats=repeats, steps=steps, batch_per_rank=BATCH,
+    repeats, steps, _ = _plan(args)
+    m = meta(quick=args.quick, smoke=args.smoke, np=args.np, repeats=repeats, steps=steps,
+             batch_per_rank=BATCH,
              versions=vers, load_note=load_note())
     write_results(args.out, "dp_step", rows, _markdown(rows, ratios, m), m, ratios=ratios)
     return 0
