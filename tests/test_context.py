@@ -7,7 +7,14 @@ import json
 import pytest
 
 from plait.errors import ConfigError
-from plait.launch.context import JobContext, context, tf_config, torch_env
+from plait.launch.context import (
+    JobContext,
+    context,
+    export_framework_env,
+    framework_env,
+    tf_config,
+    torch_env,
+)
 
 
 def test_single_process_when_no_launcher() -> None:
@@ -159,3 +166,37 @@ def test_tf_config() -> None:
 def test_tf_config_rejects(workers: list[str], index: int, fragment: str) -> None:
     with pytest.raises(ConfigError, match=fragment):
         tf_config(workers, index)
+
+
+def test_framework_env_torch_uses_rank_zeros_endpoint() -> None:
+    ctx = JobContext(1, 2, 0, 1, 1, 2, "openmpi")
+    env = framework_env("torch", ctx, ["10.0.0.1", "10.0.0.2"], [29500, 29600])
+    assert env == torch_env(ctx, "10.0.0.1", 29500)
+
+
+def test_framework_env_tensorflow_lists_every_rank() -> None:
+    ctx = JobContext(2, 3, 0, 1, 2, 3, "horovodrun")
+    env = framework_env("tensorflow", ctx, ["a", "b", "c"], [1, 2, 3])
+    assert json.loads(env["TF_CONFIG"]) == {
+        "cluster": {"worker": ["a:1", "b:2", "c:3"]},
+        "task": {"type": "worker", "index": 2},
+    }
+
+
+@pytest.mark.parametrize(
+    ("framework", "addresses", "ports", "fragment"),
+    [
+        ("jax", ["a"], [1], "framework='jax'.*torch, tensorflow"),
+        ("torch", ["a", "b"], [1], r"ports=\[1\].*2 entries"),
+        ("tensorflow", "ab", [1, 2], "addresses='ab'"),
+    ],
+)
+def test_framework_env_rejects(framework: str, addresses: list[str], ports: list[int],
+                               fragment: str) -> None:
+    with pytest.raises(ConfigError, match=fragment):
+        framework_env(framework, JobContext(0, 2, 0, 1, 0, 2, "openmpi"), addresses, ports)
+
+
+def test_export_framework_env_rejects_unknown_framework_before_anything_else() -> None:
+    with pytest.raises(ConfigError, match="framework='mxnet'"):
+        export_framework_env("mxnet")

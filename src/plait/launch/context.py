@@ -4,7 +4,16 @@
 MPI, MPICH/Hydra (and Intel MPI), torchrun and Slurm's ``srun``; with none of
 their variables set the process is a job of one. :func:`torch_env` and
 :func:`tf_config` translate a context into what ``torch.distributed`` and
-TensorFlow's ``MultiWorkerMirroredStrategy`` read.
+TensorFlow's ``MultiWorkerMirroredStrategy`` read; :func:`export_framework_env`
+does it inside a running job (the ranks exchange their addresses and free
+ports), so native framework strategies run under ``plait run``, ``mpirun`` or
+``horovodrun``::
+
+    import plait
+    from plait.launch.context import export_framework_env
+
+    export_framework_env("torch", plait.init("mpi"))
+    torch.distributed.init_process_group("gloo")
 """
 
 from __future__ import annotations
@@ -12,12 +21,22 @@ from __future__ import annotations
 import json
 import os
 import re
+import socket
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from plait.errors import ConfigError, invalid
 
-__all__ = ["JobContext", "context", "tf_config", "torch_env"]
+__all__ = [
+    "FRAMEWORKS",
+    "JobContext",
+    "context",
+    "export_framework_env",
+    "framework_env",
+    "tf_config",
+    "torch_env",
+]
 
 
 @dataclass(frozen=True)
@@ -256,3 +275,106 @@ def tf_config(workers: Sequence[str], index: int) -> str:
         raise invalid("index", index, f"an integer in [0, {len(workers)})")
     config = {"cluster": {"worker": list(workers)}, "task": {"type": "worker", "index": index}}
     return json.dumps(config)
+
+
+#: Frameworks :func:`framework_env` knows.
+FRAMEWORKS = ("torch", "tensorflow")
+
+
+def framework_env(
+    framework: str, ctx: JobContext, addresses: Sequence[str], ports: Sequence[int]
+) -> dict[str, str]:
+    """The variables a framework's own distributed runtime reads, for every rank's endpoint.
+
+    Args:
+        framework: ``"torch"`` (``torch.distributed`` with ``init_method="env://"``) or
+            ``"tensorflow"`` (``TF_CONFIG`` for ``MultiWorkerMirroredStrategy``).
+        ctx: this process's place in the job.
+        addresses: host name or address of every rank, in rank order.
+        ports: a free TCP port on each rank's host, in rank order (torch uses rank 0's).
+
+    Returns:
+        ``torch``: :func:`torch_env` for rank 0's endpoint; ``tensorflow``:
+        ``{"TF_CONFIG": ...}`` with one worker per rank and this rank's index.
+
+    Raises:
+        ConfigError: for an unknown framework, or lists whose length is not ``ctx.size``.
+    """
+    if framework not in FRAMEWORKS:
+        raise invalid("framework", framework, f"one of {', '.join(FRAMEWORKS)}")
+    for name, values in (("addresses", addresses), ("ports", ports)):
+        if isinstance(values, str) or len(values) != ctx.size:
+            raise invalid(name, values, f"a sequence of {ctx.size} entries (one per rank)")
+    if framework == "torch":
+        return torch_env(ctx, addresses[0], ports[0])
+    workers = [f"{a}:{p}" for a, p in zip(addresses, ports, strict=True)]
+    return {"TF_CONFIG": tf_config(workers, ctx.rank)}
+
+
+def _address(cross_size: int, env: Mapping[str, str]) -> str:
+    """This host's address for peers: ``PLAIT_ADDRESS``, else what the host name resolves to."""
+    override = env.get("PLAIT_ADDRESS")
+    if override:
+        return override
+    name = socket.gethostname()
+    try:
+        address = socket.gethostbyname(name)
+    except OSError:
+        address = name
+    if address.startswith("127.") and cross_size > 1:
+        raise ConfigError(
+            f"host name {name!r} resolves to the loopback address {address}, which other hosts "
+            "cannot reach: set PLAIT_ADDRESS to this host's address on the job network"
+        )
+    return address
+
+
+def _free_port(address: str) -> int:
+    """A TCP port that is free on ``address`` now (the OS picks it)."""
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((address, 0))
+        except OSError:
+            s.bind(("", 0))
+        return int(s.getsockname()[1])
+
+
+def export_framework_env(framework: str, comm: Any = None) -> dict[str, str]:
+    """Set the variables ``torch.distributed`` or ``tf.distribute`` read, inside a running job.
+
+    Call it on every rank (it is collective) before the framework initialises its
+    own runtime: ``torch.distributed.init_process_group("gloo")`` or
+    ``tf.distribute.MultiWorkerMirroredStrategy()``. Each rank finds its host's
+    address (``PLAIT_ADDRESS`` if set, else what its host name resolves to) and a
+    free port on it; the ranks exchange them through ``comm``, so the result names
+    real, reachable endpoints whichever launcher started the job.
+
+    Args:
+        framework: ``"torch"`` or ``"tensorflow"``.
+        comm: a plait communicator spanning the job (anything with ``rank``, ``size``,
+            ``local_rank``, ``local_size``, ``cross_rank``, ``cross_size`` and
+            ``allgather_object``); default: ``plait.init()``'s world communicator.
+
+    Returns:
+        The variables set in ``os.environ`` (see :func:`framework_env`).
+
+    Raises:
+        ConfigError: for an unknown framework, or when this host's name resolves to a
+            loopback address in a job spanning several hosts (set ``PLAIT_ADDRESS``).
+    """
+    if framework not in FRAMEWORKS:
+        raise invalid("framework", framework, f"one of {', '.join(FRAMEWORKS)}")
+    if comm is None:
+        from plait.runtime import init
+
+        comm = init()
+    ctx = JobContext(int(comm.rank), int(comm.size), int(comm.local_rank), int(comm.local_size),
+                     int(comm.cross_rank), int(comm.cross_size), context().launcher)
+    address = _address(ctx.cross_size, os.environ)
+    endpoints = comm.allgather_object([address, _free_port(address)])
+    values = framework_env(framework, ctx, [str(a) for a, _ in endpoints],
+                           [int(p) for _, p in endpoints])
+    os.environ.update(values)
+    return values

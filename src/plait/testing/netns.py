@@ -225,6 +225,9 @@ class EmulatedHosts:
         prefix: unique name prefix of this instance (``plait-PID-K``).
         hosts: host names (also namespace names and hostnames).
         hostfile: path of a hostfile listing every host with ``slots`` slots.
+        plain_hostfile: the same hosts without a comment line, for readers that do not
+            skip comments (``horovodrun --hostfile``).
+        hosts_arg: the same hosts as a ``-H`` value, ``HOST:SLOTS,...``.
         agent: path of the rsh agent script for ``plm_rsh_agent``.
         bin_dir: directory with an ``ssh`` for horovodrun (put it first in PATH).
 
@@ -260,6 +263,8 @@ class EmulatedHosts:
         self.bridge = f"{self.prefix}-br"
         self.workdir = ""
         self.hostfile = ""
+        self.plain_hostfile = ""
+        self.hosts_arg = ",".join(f"{h}:{slots}" for h in self.hosts)
         self.agent = ""
         self.bin_dir = ""
         self._up = False
@@ -344,6 +349,9 @@ class EmulatedHosts:
         self.hostfile = os.path.join(self.workdir, "hostfile")
         with open(self.hostfile, "w") as f:
             f.write(f"# plait emulated hosts {self.prefix} ({self.cidr})\n")
+            f.writelines(f"{h} slots={self.slots}\n" for h in self.hosts)
+        self.plain_hostfile = os.path.join(self.workdir, "hostfile.plain")
+        with open(self.plain_hostfile, "w") as f:
             f.writelines(f"{h} slots={self.slots}\n" for h in self.hosts)
         cases = "\n".join(f"  {h}) ;;" for h in self.hosts)
         cases += "\n" + "\n".join(f"  {self.address(h)}) host={h} ;;" for h in self.hosts)
