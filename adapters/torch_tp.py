@@ -23,6 +23,7 @@ from plait.parallel.tensor.mappings import (
     reduce_from_group,
     scatter_to_group,
 )
+from plait.parallel.tensor.sequence import heads_to_seq, seq_to_heads
 from plait.protocols import Communicator
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "apply_plan",
     "owns_model",
+    "ulysses_attention",
     "vocab_parallel_cross_entropy",
 ]
 
@@ -292,6 +294,25 @@ class ChannelParallelConv2d(nn.Module):
         y = F.conv2d(copy_to_group(x, self.comm), self.weight, self.bias, self.stride,
                      self.padding, self.dilation)
         return gather_from_group(y, self.comm, 1) if self.gather_output else y
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, comm: Communicator,
+                      causal: bool = False) -> torch.Tensor:
+    """Attention over a sequence split across the group (Ulysses: all-to-all to a head split).
+
+    Args:
+        q, k, v: this rank's ``[batch, seq / size, heads, head_dim]`` slices (rank order along
+            the sequence); ``heads`` divisible by the group size.
+        comm: the sequence-parallel group.
+        causal: mask future positions (of the whole sequence).
+
+    Returns:
+        This rank's ``[batch, seq / size, heads, head_dim]`` slice of the attention output,
+        equal to full attention over the whole sequence.
+    """
+    q, k, v = (seq_to_heads(t, comm).transpose(1, 2) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    return heads_to_seq(out.transpose(1, 2).contiguous(), comm)
 
 
 # -- plans ------------------------------------------------------------------------------------

@@ -424,3 +424,25 @@ def test_keras_plan_embedding_and_conv_models(mcomm):
     x = np.random.default_rng(7).standard_normal((2, 5, 5, 3)).astype(np.float32)
     sharded = TensorParallel({"conv": ChannelSplit()}, comm=mcomm).apply(conv_net(mcomm.rank))
     close(sharded(x), conv_net(0)(x), "conv model output")
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_torch_ulysses_attention_equals_full_attention(mcomm, causal):
+    import torch
+    import torch.nn.functional as F
+    from plait.adapters.torch_tp import ulysses_attention
+
+    gen = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 6, 6, 4, generator=gen) for _ in range(3))  # [B, S, H, D]
+    full = [t.clone().requires_grad_() for t in (q, k, v)]
+    want = F.scaled_dot_product_attention(*(t.transpose(1, 2) for t in full), is_causal=causal)
+    want = want.transpose(1, 2)
+    mine = [shard(t, mcomm, 1).copy() for t in (q, k, v)]
+    mine = [torch.from_numpy(t).requires_grad_() for t in mine]
+    got = ulysses_attention(*mine, mcomm, causal=causal)
+    close(got.detach(), shard(want.detach(), mcomm, 1), "attention output")
+    weight = torch.arange(6.0).reshape(1, 1, 6, 1)
+    (want * weight).sum().backward()
+    (got * weight).sum().backward()
+    for name, a, b in zip("qkv", mine, full):
+        close(a.grad, shard(b.grad, mcomm, 1), f"d{name}")
