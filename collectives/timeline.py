@@ -12,9 +12,10 @@ seconds, default 10) for the other parts and merges them into ``path.json`` with
 one process per rank. ``python -m plait.collectives.timeline merge path.json``
 merges afterwards (what ``plait run --timeline`` can call). Every collective is
 one event named ``"<kind> <tensor name>"`` on a row per tensor name, from
-enqueue (the call) to end (the result is ready), with two nested events:
-``submit`` (enqueue to start: the agreement check and handing the op to the
-backend) and ``wait`` (from ``wait()`` to the end). ``args`` hold bytes, shape,
+enqueue (the call) to end (the result is ready); operations with a handle
+(allreduce, allgather, broadcast, also in their sync forms) have two nested
+events: ``submit`` (enqueue to start: the agreement check and handing the op
+to the backend) and ``wait`` (from ``wait()`` to the end). ``args`` hold bytes, shape,
 dtype, op, the call's sequence number and the enqueue/start/end times. Fused
 gradient buckets appear under their names (``grad.0``, ``grad.1``...). Inside a
 ``tf.function`` a collective is recorded once, when the function is traced
@@ -254,7 +255,8 @@ class _Op:
         self.args.update(enqueue_us=round(self.t_enq, 3), start_us=round(self.t_start, 3),
                          end_us=round(t_end, 3))
         rec.complete(self.label, "collective", self.tid, self.t_enq, t_end, self.args)
-        rec.complete("submit", "collective", self.tid, self.t_enq, self.t_start)
+        if self.t_start > self.t_enq:
+            rec.complete("submit", "collective", self.tid, self.t_enq, self.t_start)
         if self.t_wait is not None:
             rec.complete("wait", "collective", self.tid, max(self.t_wait, self.t_start), t_end)
         rec.release(self.key, self.tid)
@@ -356,10 +358,10 @@ class ObservedCommunicator:
         return _Op(self._rec, label, name or kind, args)
 
     def _sync(self, op: _Op, call: Callable[[], Any]) -> Any:
+        """A call with no handle: one event, no nested phases (start is not visible)."""
         try:
             result = call()
         finally:
-            op.t_start = _now_us()
             op.end()
         return result
 
