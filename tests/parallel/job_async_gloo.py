@@ -28,7 +28,7 @@ def test_collective_modes_work(algorithm):
     _train(make_comm("horovod"), algorithm=algorithm)
 
 
-@pytest.mark.parametrize("algorithm", ["ps", "ssp", "gossip"])
+@pytest.mark.parametrize("algorithm", ["parameter_server", "ssp", "gossip"])
 def test_point_to_point_modes_raise_clearly(algorithm):
     with pytest.raises(NotImplementedError, match=f"algorithm='{algorithm}'.*mpirun"):
         _train(make_comm("horovod"), algorithm=algorithm)
