@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -129,32 +130,48 @@ def blamed_hosts(output: str, ranks: Sequence[str]) -> list[str]:
 
 
 def probe_hosts(hosts: Sequence[str], argv_for: Callable[[str], list[str]],
-                env: Mapping[str, str], timeout: float) -> list[str]:
+                env: Mapping[str, str], timeout: float, tries: int = 2) -> dict[str, str]:
     """Hosts that do not answer a tiny job within ``timeout`` seconds (probed in parallel).
+
+    A host must fail ``tries`` probes in a row (one second apart) to be reported, so
+    that one slow start under load does not cost a healthy host.
 
     Args:
         hosts: host names to probe.
         argv_for: the probe command for one host (a one-rank ``mpirun ... true``).
         env: the probe's environment.
         timeout: seconds per probe.
+        tries: probes a host must fail.
 
     Returns:
-        The unreachable hosts, in the given order.
+        Unreachable host -> why (exit status or timeout, and the end of its stderr).
     """
-    def ok(host: str) -> bool:
+    def check(host: str) -> str | None:
         try:
             proc = subprocess.run(argv_for(host), env=dict(env), stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL, timeout=timeout + 5,
+                                  stderr=subprocess.PIPE, timeout=timeout + 5, text=True,
                                   start_new_session=True)
-        except (subprocess.TimeoutExpired, OSError):
-            return False
-        return proc.returncode == 0
+        except subprocess.TimeoutExpired:
+            return f"no answer within {timeout + 5:g}s"
+        except OSError as exc:
+            return str(exc)
+        if proc.returncode == 0:
+            return None
+        tail = " | ".join(line for line in proc.stderr.splitlines()[-3:] if line.strip())
+        return f"probe exit status {proc.returncode}: {tail}"
 
-    if not hosts:
-        return []
-    with ThreadPoolExecutor(max_workers=min(8, len(hosts))) as pool:
-        answers = list(pool.map(ok, hosts))
-    return [h for h, good in zip(hosts, answers, strict=True) if not good]
+    failed: dict[str, str] = {}
+    todo = list(hosts)
+    for attempt in range(tries):
+        if not todo:
+            break
+        if attempt:
+            time.sleep(1.0)
+        with ThreadPoolExecutor(max_workers=min(8, len(todo))) as pool:
+            answers = list(pool.map(check, todo))
+        failed = {h: why for h, why in zip(todo, answers, strict=True) if why is not None}
+        todo = list(failed)
+    return {h: failed[h] for h in hosts if h in failed}
 
 
 @dataclass
@@ -186,15 +203,15 @@ class RestartState:
         self._drop(now)
         return now
 
-    def unreachable(self, names: Sequence[str]) -> list[str]:
-        """Exclude hosts that did not answer the probe.
+    def unreachable(self, names: Mapping[str, str]) -> list[str]:
+        """Exclude hosts that did not answer the probe (host -> why).
 
         Returns:
             The hosts excluded now.
         """
         now = [n for n in names if n not in self.excluded]
         for name in now:
-            self.excluded[name] = "it did not answer a probe job"
+            self.excluded[name] = f"it did not answer a probe job ({names[name]})"
         self._drop(now)
         return now
 

@@ -257,16 +257,52 @@ def _kill_group(pgid: int, proc: subprocess.Popen[bytes], grace: float) -> None:
         pass
 
 
-def _tee(stream: object, sink: list[str]) -> None:
+#: Seconds mpirun gets to exit once it reported a failed rank, before plait kills it
+#: (mpirun can hang in its own abort when a host is unreachable).
+ABORT_GRACE_S = 20.0
+_FAILURE_MARKERS = ("MPI_ABORT was invoked", "aborts the job (MPI_Abort)",
+                    "ORTE has lost communication", "mpirun noticed that process",
+                    "mpirun detected that one or more processes exited")
+
+
+def _tee(stream: object, sink: list[str], failed: threading.Event) -> None:
     for raw in iter(stream.readline, b""):  # type: ignore[attr-defined]
-        sys.stderr.write(raw.decode(errors="replace"))
+        line = raw.decode(errors="replace")
+        sys.stderr.write(line)
         sys.stderr.flush()
-        sink.append(raw.decode(errors="replace"))
+        sink.append(line)
+        if any(marker in line for marker in _FAILURE_MARKERS):
+            failed.set()
+
+
+def _wait(proc: subprocess.Popen[bytes], timeout: float | None, failed: threading.Event,
+          grace: float) -> tuple[int | None, bool]:
+    """Wait for ``proc`` up to ``timeout``; give up ``grace`` s after ``failed`` is set.
+
+    Returns:
+        ``(returncode or None, True if it gave up because of a reported failure)``.
+    """
+    deadline = None if timeout is None else time.monotonic() + timeout
+    failed_at = None
+    while True:
+        step = 0.5 if deadline is None else max(0.0, min(0.5, deadline - time.monotonic()))
+        try:
+            return proc.wait(timeout=step), False
+        except subprocess.TimeoutExpired:
+            pass
+        now = time.monotonic()
+        if failed.is_set():
+            failed_at = failed_at if failed_at is not None else now
+            if now - failed_at >= grace:
+                return None, True
+        if deadline is not None and now >= deadline:
+            return None, False
 
 
 def run_command(
     cmd: LaunchCommand, timeout: float | None = None, grace: float = KILL_GRACE_S,
     capture: list[str] | None = None, signals: list[int] | None = None,
+    abort_grace: float = ABORT_GRACE_S,
 ) -> int:
     """Run a launcher command in its own process group and wait for it.
 
@@ -277,6 +313,8 @@ def run_command(
         capture: when given, the launcher's stderr is copied to ours and its lines
             appended here (to see which host failed).
         signals: when given, the signals forwarded to the job are appended here.
+        abort_grace: with ``capture``, seconds the launcher gets to exit after it reported
+            a failed rank; then its group is killed (exit status 1).
 
     Returns:
         The launcher's exit status; 128 + N if it died of signal N, or if it failed
@@ -291,8 +329,9 @@ def run_command(
                             stderr=subprocess.PIPE if capture is not None else None)
     pgid = proc.pid
     reader = None
+    failed = threading.Event()
     if capture is not None:
-        reader = threading.Thread(target=_tee, args=(proc.stderr, capture), daemon=True)
+        reader = threading.Thread(target=_tee, args=(proc.stderr, capture, failed), daemon=True)
         reader.start()
     received: list[int] = signals if signals is not None else []
 
@@ -307,9 +346,15 @@ def run_command(
         except ValueError:  # not the main thread: cannot install handlers
             break
     try:
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
+        got, gave_up = _wait(proc, timeout, failed, abort_grace)
+        if gave_up:
+            _kill_group(pgid, proc, grace)
+            print(f"{_PROG}: a rank failed and the launcher did not exit within {abort_grace:g}s; "
+                  "killed it", file=sys.stderr, flush=True)
+            return 1
+        if got is not None:
+            rc = got
+        else:
             _kill_group(pgid, proc, grace)
             print(
                 f"{_PROG}: the job ran longer than --timeout={timeout:g}s and was killed "
@@ -363,7 +408,8 @@ def run_with_restarts(spec: LaunchSpec, policy: RestartPolicy, env: Mapping[str,
     np = spec.num_ranks
     attempt = 0
     while True:
-        cmd = build_command(spec, env, is_root)
+        attempt_env = {**env, "PLAIT_RESTART": str(attempt)}  # forwarded to every host by -x
+        cmd = build_command(spec, attempt_env, is_root)
         cmd.env["PLAIT_RESTART"] = str(attempt)
         lines: list[str] = []
         signals: list[int] = []
@@ -384,7 +430,7 @@ def run_with_restarts(spec: LaunchSpec, policy: RestartPolicy, env: Mapping[str,
             gone = state.blame(blamed, policy.exclude_after)
             names = [h.host for h in state.hosts]
             gone += state.unreachable(
-                probe_hosts(names, _probe_argv(spec, is_root, policy.probe_timeout), {**env, **cmd.env},
+                probe_hosts(names, _probe_argv(spec, is_root, policy.probe_timeout), {**attempt_env, **cmd.env},
                             policy.probe_timeout))
             for name in gone:
                 print(f"{_PROG}: excluding host {name}: {state.excluded[name]}", file=sys.stderr,
