@@ -429,9 +429,9 @@ def run_with_restarts(spec: LaunchSpec, policy: RestartPolicy, env: Mapping[str,
             blamed = blamed_hosts("".join(lines), rank_hosts(spec.hosts or state.hosts, spec.num_ranks))
             gone = state.blame(blamed, policy.exclude_after)
             names = [h.host for h in state.hosts]
+            probe = _probe_argv(spec, is_root, policy.probe_timeout)
             gone += state.unreachable(
-                probe_hosts(names, _probe_argv(spec, is_root, policy.probe_timeout), {**attempt_env, **cmd.env},
-                            policy.probe_timeout))
+                probe_hosts(names, probe, {**attempt_env, **cmd.env}, policy.probe_timeout))
             for name in gone:
                 print(f"{_PROG}: excluding host {name}: {state.excluded[name]}", file=sys.stderr,
                       flush=True)
