@@ -82,7 +82,10 @@ class AsyncOptimizer:
         algorithm.setup(self.replica)
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.__dict__["optimizer"], name)
+        inner = self.__dict__.get("optimizer")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
 
     @property
     def is_server(self) -> bool:
