@@ -21,15 +21,18 @@ Standard library only.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from plait.errors import invalid
-from plait.launch.hostfile import HostSlots
+from plait.launch.command import LaunchSpec, build_command, mpirun_argv
+from plait.launch.hostfile import HostSlots, total_slots
 
 __all__ = [
     "RestartPolicy",
@@ -37,7 +40,12 @@ __all__ = [
     "blamed_hosts",
     "probe_hosts",
     "rank_hosts",
+    "run_with_restarts",
 ]
+
+_PROG = "plait run"
+#: Runs one attempt: ``(cmd, timeout, capture=lines, signals=signals) -> exit status``.
+Runner = Callable[..., int]
 
 _SIGNAL_NODE = re.compile(r"process rank (\d+) with PID \d+ on node (\S+?)[ .,]")
 _REMOTE_DAEMON = re.compile(r"Remote daemon:\s*\S+ on node (\S+)")
@@ -218,3 +226,74 @@ class RestartState:
     def _drop(self, names: Sequence[str]) -> None:
         if names:
             self.hosts = [h for h in self.hosts if h.host not in names]
+
+
+def _probe_argv(spec: LaunchSpec, is_root: bool, timeout: float) -> Callable[[str], list[str]]:
+    def argv_for(host: str) -> list[str]:
+        probe = dataclasses.replace(spec, command=("true",), np=1, hosts=(HostSlots(host, 1),),
+                                    hostfile=None, timeout=timeout, tag_output=False,
+                                    oversubscribe=True)
+        return mpirun_argv(probe, None, is_root)
+
+    return argv_for
+
+
+def run_with_restarts(spec: LaunchSpec, policy: RestartPolicy, env: Mapping[str, str],
+                      is_root: bool, hosts: Sequence[HostSlots], run: Runner) -> int:
+    """Run the job; when it fails, relaunch it up to ``policy.restarts`` times.
+
+    Args:
+        spec: the first attempt's spec.
+        policy: restarts, back-off and host exclusion.
+        env: the environment of the launcher.
+        is_root: running as root (mpirun needs ``--allow-run-as-root``).
+        hosts: the job's hosts (from ``-H`` or the hostfile); empty for a local job,
+            which is restarted without exclusion.
+        run: runs one attempt (``plait.launch.run.run_command``).
+
+    Returns:
+        The last attempt's exit status (0 once an attempt succeeds).
+    """
+    state = RestartState(list(hosts))
+    np = spec.num_ranks
+    attempt = 0
+    while True:
+        attempt_env = {**env, "PLAIT_RESTART": str(attempt)}  # forwarded to every host by -x
+        cmd = build_command(spec, attempt_env, is_root)
+        cmd.env["PLAIT_RESTART"] = str(attempt)
+        lines: list[str] = []
+        signals: list[int] = []
+        rc = run(cmd, spec.timeout, capture=lines, signals=signals)
+        used = ",".join(h.host for h in spec.hosts) if spec.hosts else "localhost"
+        if rc == 0:
+            print(f"{_PROG}: job finished after {attempt} restart(s) with {spec.num_ranks} ranks "
+                  f"on hosts {used}", file=sys.stderr, flush=True)
+            return 0
+        if signals or attempt >= policy.restarts:
+            if not signals:
+                print(f"{_PROG}: job failed (exit status {rc}); no restarts left "
+                      f"({policy.restarts} used)", file=sys.stderr, flush=True)
+            return rc
+        attempt += 1
+        if state.hosts and spec.launcher == "mpirun":
+            blamed = blamed_hosts("".join(lines), rank_hosts(spec.hosts or state.hosts, spec.num_ranks))
+            gone = state.blame(blamed, policy.exclude_after)
+            names = [h.host for h in state.hosts]
+            probe = _probe_argv(spec, is_root, policy.probe_timeout)
+            gone += state.unreachable(
+                probe_hosts(names, probe, {**attempt_env, **cmd.env}, policy.probe_timeout))
+            for name in gone:
+                print(f"{_PROG}: excluding host {name}: {state.excluded[name]}", file=sys.stderr,
+                      flush=True)
+            if not state.hosts:
+                print(f"{_PROG}: no hosts left to restart on (excluded: "
+                      f"{', '.join(state.excluded)})", file=sys.stderr, flush=True)
+                return rc
+            new_np = min(np, total_slots(state.hosts)) if gone else spec.num_ranks
+            spec = dataclasses.replace(spec, hosts=tuple(state.hosts), hostfile=None, np=new_np)
+        delay = policy.delay(attempt)
+        print(f"{_PROG}: job failed (exit status {rc}); restart {attempt}/{policy.restarts} in "
+              f"{delay:g}s with {spec.num_ranks} ranks"
+              + (f" on hosts {','.join(h.host for h in spec.hosts)}" if spec.hosts else ""),
+              file=sys.stderr, flush=True)
+        time.sleep(delay)

@@ -23,16 +23,14 @@ the rest (see :mod:`plait.launch.restart`). Each attempt gets ``PLAIT_RESTART``
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from types import FrameType
-from typing import Any
 
 from plait.errors import ConfigError
 from plait.launch.command import (
@@ -42,10 +40,9 @@ from plait.launch.command import (
     LaunchCommand,
     LaunchSpec,
     build_command,
-    mpirun_argv,
 )
 from plait.launch.hostfile import HostSlots, check_np, parse_hostfile, parse_hosts, total_slots
-from plait.launch.restart import RestartPolicy, RestartState, blamed_hosts, probe_hosts, rank_hosts
+from plait.launch.restart import RestartPolicy, run_with_restarts
 
 __all__ = [
     "EXIT_TIMEOUT",
@@ -53,7 +50,6 @@ __all__ = [
     "build_parser",
     "main",
     "run_command",
-    "run_with_restarts",
     "spec_from_args",
 ]
 
@@ -379,76 +375,6 @@ def run_command(
     return rc
 
 
-def _probe_argv(spec: LaunchSpec, is_root: bool, timeout: float) -> Any:
-    def argv_for(host: str) -> list[str]:
-        probe = dataclasses.replace(spec, command=("true",), np=1, hosts=(HostSlots(host, 1),),
-                                    hostfile=None, timeout=timeout, tag_output=False,
-                                    oversubscribe=True)
-        return mpirun_argv(probe, None, is_root)
-
-    return argv_for
-
-
-def run_with_restarts(spec: LaunchSpec, policy: RestartPolicy, env: Mapping[str, str],
-                      is_root: bool, hosts: Sequence[HostSlots] = ()) -> int:
-    """Run the job; when it fails, relaunch it up to ``policy.restarts`` times.
-
-    Args:
-        spec: the first attempt's spec.
-        policy: restarts, back-off and host exclusion.
-        env: the environment of the launcher.
-        is_root: running as root (mpirun needs ``--allow-run-as-root``).
-        hosts: the job's hosts (from ``-H`` or the hostfile); empty for a local job,
-            which is restarted without exclusion.
-
-    Returns:
-        The last attempt's exit status (0 once an attempt succeeds).
-    """
-    state = RestartState(list(hosts))
-    np = spec.num_ranks
-    attempt = 0
-    while True:
-        attempt_env = {**env, "PLAIT_RESTART": str(attempt)}  # forwarded to every host by -x
-        cmd = build_command(spec, attempt_env, is_root)
-        cmd.env["PLAIT_RESTART"] = str(attempt)
-        lines: list[str] = []
-        signals: list[int] = []
-        rc = run_command(cmd, spec.timeout, capture=lines, signals=signals)
-        used = ",".join(h.host for h in spec.hosts) if spec.hosts else "localhost"
-        if rc == 0:
-            print(f"{_PROG}: job finished after {attempt} restart(s) with {spec.num_ranks} ranks "
-                  f"on hosts {used}", file=sys.stderr, flush=True)
-            return 0
-        if signals or attempt >= policy.restarts:
-            if not signals:
-                print(f"{_PROG}: job failed (exit status {rc}); no restarts left "
-                      f"({policy.restarts} used)", file=sys.stderr, flush=True)
-            return rc
-        attempt += 1
-        if state.hosts and spec.launcher == "mpirun":
-            blamed = blamed_hosts("".join(lines), rank_hosts(spec.hosts or state.hosts, spec.num_ranks))
-            gone = state.blame(blamed, policy.exclude_after)
-            names = [h.host for h in state.hosts]
-            probe = _probe_argv(spec, is_root, policy.probe_timeout)
-            gone += state.unreachable(
-                probe_hosts(names, probe, {**attempt_env, **cmd.env}, policy.probe_timeout))
-            for name in gone:
-                print(f"{_PROG}: excluding host {name}: {state.excluded[name]}", file=sys.stderr,
-                      flush=True)
-            if not state.hosts:
-                print(f"{_PROG}: no hosts left to restart on (excluded: "
-                      f"{', '.join(state.excluded)})", file=sys.stderr, flush=True)
-                return rc
-            new_np = min(np, total_slots(state.hosts)) if gone else spec.num_ranks
-            spec = dataclasses.replace(spec, hosts=tuple(state.hosts), hostfile=None, np=new_np)
-        delay = policy.delay(attempt)
-        print(f"{_PROG}: job failed (exit status {rc}); restart {attempt}/{policy.restarts} in "
-              f"{delay:g}s with {spec.num_ranks} ranks"
-              + (f" on hosts {','.join(h.host for h in spec.hosts)}" if spec.hosts else ""),
-              file=sys.stderr, flush=True)
-        time.sleep(delay)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``plait run``.
 
@@ -482,7 +408,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                    backoff_max=max(30.0, args.restart_backoff),
                                    exclude_after=args.exclude_after,
                                    probe_timeout=args.probe_timeout)
-            return run_with_restarts(spec, policy, os.environ, os.geteuid() == 0, hosts)
+            return run_with_restarts(spec, policy, os.environ, os.geteuid() == 0, hosts, run_command)
         return run_command(cmd, spec.timeout)
     except FileNotFoundError:
         print(
