@@ -8,7 +8,7 @@ each benchmark's tables (which state min/median/max over repeats), a summary of
 plait's ratios to its peers, and PNG plots where the data exists: allreduce
 bus bandwidth vs size, step time per compressor, pipeline bubble vs micro-batches.
 
-Run: ``python benchmarks/run_all.py [--quick] [--only a,b] [--report PATH]``.
+Run: ``python benchmarks/run_all.py [--quick] [--only a,b] [--report PATH] [--report-only]``.
 """
 
 from __future__ import annotations
@@ -108,6 +108,7 @@ def plot_bandwidth(data: dict[str, Any], out: Path) -> Path | None:
         ax.plot(xs, [p[1]["median"] for p in pts], marker="o", label=impl)
         ax.fill_between(xs, [p[1]["min"] for p in pts], [p[1]["max"] for p in pts], alpha=0.12)
     ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
     ax.set_xlabel("message size (bytes)")
     ax.set_ylabel("bus bandwidth (GB/s), median; band: min–max")
     ax.set_title(f"Allreduce on {data.get('meta', {}).get('np', 2)} ranks")
@@ -267,7 +268,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--report", default=str(BENCH_DIR / "REPORT.md"), help="report path")
     p.add_argument("--timeout", type=float, default=0,
                    help="seconds per benchmark (default 600 with --quick, else 3600)")
+    p.add_argument("--report-only", action="store_true",
+                   help="run nothing: rebuild the report and plots from benchmarks/results/")
     args = p.parse_args(argv)
+    if args.report_only:
+        write_report(Path(args.report), [], machine(), plait_info(), args.quick)
+        return 0
     timeout = args.timeout or (600 if args.quick else 3600)
     present = discover()
     wanted = [n.strip() for n in args.only.split(",") if n.strip()] or EXPECTED + [
