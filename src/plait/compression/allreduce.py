@@ -60,7 +60,8 @@ def compressed_allreduce(
         compressor: how to encode it (default: :class:`NoneCompressor`).
         memory: error feedback (default: :class:`NoMemory`).
         average: average over ranks (else sum).
-        stats: where to count the bytes sent, if given.
+        stats: where to count the bytes sent, if given (``compressor.stats``, when set,
+            counts them as well).
 
     Returns:
         The reduced tensor, with ``tensor``'s framework, shape and dtype; equal on every rank.
@@ -90,8 +91,9 @@ def compressed_allreduce(
         payload, ctx = compressor.compress(compensated, name)
         memory.update(compensated, name, compressor, payload, ctx)
         result, sent = exchange_payload(comm, compressor, payload, ctx, name, average)
-    if stats is not None and not symbolic:
-        stats.record(name, sent, nbytes(tensor))
+    if not symbolic:
+        for sink in {id(s): s for s in (stats, getattr(compressor, "stats", None)) if s is not None}.values():
+            sink.record(name, sent, nbytes(tensor))
     return result
 
 

@@ -88,11 +88,38 @@ class Compressor(ABC):
         ragged: payload lengths may differ between ranks (allgather path only);
             the exchange then first gathers the lengths.
         graph_safe: usable on symbolic TensorFlow tensors (inside ``tf.function``).
+
+    Attributes:
+        stats: a :class:`~plait.compression.stats.WireStats` that every
+            :func:`~plait.compression.compressed_allreduce` through this compressor
+            counts into (None: not counted). This is how a data-parallel optimiser's
+            traffic is seen: ``c = TopK(0.01).count_into(WireStats())``, then pass ``c``
+            as ``compression=`` and read ``c.stats``.
     """
 
     summable: bool = False
     ragged: bool = False
     graph_safe: bool = False
+    stats: Any = None
+
+    def count_into(self, stats: Any) -> Compressor:
+        """Count the traffic of every reduction through this compressor into ``stats``.
+
+        Args:
+            stats: a :class:`~plait.compression.stats.WireStats`, or None to stop counting.
+
+        Returns:
+            This compressor (for chaining).
+
+        Raises:
+            ConfigError: for anything but a WireStats or None.
+        """
+        from .stats import WireStats
+
+        if stats is not None and not isinstance(stats, WireStats):
+            raise invalid("stats", stats, "a plait.compression.WireStats or None")
+        self.stats = stats
+        return self
 
     @abstractmethod
     def compress(self, tensor: Tensor, name: str) -> tuple[list[Tensor], Any]:
@@ -137,7 +164,8 @@ class Compressor(ABC):
         return total / len(decoded) if average else total
 
     def __repr__(self) -> str:
-        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items() if not k.startswith("_"))
+        args = ", ".join(f"{k}={v!r}" for k, v in vars(self).items()
+                         if not k.startswith("_") and k != "stats")
         return f"{type(self).__name__}({args})"
 
 
