@@ -117,13 +117,16 @@ class KerasStage:
         self.variables = [v for layer in self.layers for v in layer.trainable_variables]
         self.acc: list[Any] = [None] * len(self.variables)
         self.saved: dict[int, tuple[Any, ...]] = {}
+        # The chunk's layers as one traced function: the tape records a single call op
+        # (and its gradient is a traced function too) instead of every eager op.
+        self._train_fn = tf.function(lambda x: _run(self.layers, x, True), reduce_retracing=True)
 
     def _record(self, x: Any, target: Any) -> tuple[Any, Any]:
         tape = tf.GradientTape()
         with tape:
             if not self.first:
                 tape.watch(x)
-            out = _run(self.layers, x, True)
+            out = self._train_fn(x)
             if self.last:
                 if self.loss_fn is None:
                     raise PipelineTypeError("loss_fn is required on the last stage, got None")
@@ -135,7 +138,7 @@ class KerasStage:
         """Run micro-batch ``mb``; return the output, or the loss on the last stage."""
         x = tf.convert_to_tensor(x)
         if self.checkpoint:
-            out = _run(self.layers, x, True)
+            out = self._train_fn(x)
             if self.last:
                 out = (self.loss_fn(tf.convert_to_tensor(target), out), None)  # type: ignore[misc]
             self.saved[mb] = (x, target)

@@ -80,7 +80,7 @@ def worker(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     world = plait.init("mpi")
     p = world.size
-    width, layers, batch, steps = (512, 8, 512, 3) if args.quick else (1024, 8, 1024, 6)
+    width, layers, batch, steps = (512, 8, 512, 3) if args.quick else (1024, 8, 512, 5)
     grid = [1, 4, 8] if args.quick else [1, 2, 4, 8, 16]
     rng = torch.Generator().manual_seed(0)
     x = torch.randn(batch, width, generator=rng)
