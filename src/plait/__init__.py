@@ -14,6 +14,7 @@ from .errors import (
     PlaitTypeError,
 )
 from .parallel.mesh import Mesh
+from .parallel.tensor import ChannelSplit, Colwise, Rowwise, TensorParallel, VocabParallel
 from .protocols import Communicator, Handle, TensorOps
 from .runtime import init, is_initialized, shutdown, world
 from .strategy import DataParallel
@@ -23,6 +24,8 @@ __version__ = "0.1.0"
 __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
+    "ChannelSplit",
+    "Colwise",
     "CollectiveTimeoutError",
     "Communicator",
     "Config",
@@ -33,7 +36,10 @@ __all__ = [
     "MismatchError",
     "PlaitError",
     "PlaitTypeError",
+    "Rowwise",
     "TensorOps",
+    "TensorParallel",
+    "VocabParallel",
     "__version__",
     "init",
     "is_initialized",

@@ -119,7 +119,7 @@ def gather_along(x: Tensor, comm: Communicator, dim: int = -1) -> Tensor:
     ops = ops_for(x)
     shape = ops.shape(x)
     axis = _axis(len(shape), dim)
-    gathered = comm.allgather(_packed(x))
+    gathered = comm.allgather(x)
     if axis == 0:
         return gathered
     blocks = ops.reshape(gathered, [comm.size, *shape])
@@ -127,14 +127,8 @@ def gather_along(x: Tensor, comm: Communicator, dim: int = -1) -> Tensor:
     return ops.concat(pieces, axis=axis)
 
 
-def _packed(t: Tensor) -> Tensor:
-    """``t`` in one dense block (a torch gradient can be a broadcast view, which Horovod rejects)."""
-    ops = ops_for(t)
-    return ops.concat([t], axis=0) if ops.framework == "torch" else t
-
-
 def _sum(comm: Communicator) -> Callable[[Any], Any]:
-    return lambda t: comm.allreduce(_packed(t), op="sum")
+    return lambda t: comm.allreduce(t, op="sum")
 
 
 def _apply(x: Tensor, forward: Callable[[Any], Any], backward: Callable[[Any], Any]) -> Tensor:

@@ -15,7 +15,7 @@ from plait.adapters import ops_for
 from plait.errors import ConfigError
 from plait.protocols import Communicator, Tensor
 
-from .mappings import _apply, _axis, _packed
+from .mappings import _apply, _axis
 
 __all__ = ["all_to_all", "heads_to_seq", "seq_to_heads"]
 
@@ -49,7 +49,7 @@ def all_to_all(x: Tensor, comm: Communicator, scatter_dim: int, gather_dim: int)
             f"invalid tensor dim {scatter_dim} of length {shape[s]}: expected a multiple of the "
             f"sequence-parallel group size {p}")
     send = ops.concat(ops.split(x, [shape[s] // p] * p, axis=s), axis=0)
-    received, _ = comm.alltoall(_packed(send), [shape[0]] * p)
+    received, _ = comm.alltoall(send, [shape[0]] * p)
     return ops.concat(ops.split(received, [shape[0]] * p, axis=0), axis=g)
 
 
