@@ -1,8 +1,8 @@
 """Pipeline-parallel benchmark: measured bubble, throughput and live activations per schedule.
 
-``python benchmarks/pipeline.py [--quick] [--stages 2] [--out PATH]`` launches
-``mpirun -np STAGES`` of itself (``--worker``). Each worker builds the same
-torch MLP, splits it into ``STAGES`` stages and, for every schedule and number
+``python benchmarks/pipeline.py [--quick|--smoke] [--np 2] [--out BASE]`` launches
+``mpirun -np NP`` of itself (``--worker``, see ``_common.py``). Each worker builds
+the same torch MLP, splits it into ``NP`` stages and, for every schedule and number
 of micro-batches ``M``, times a few ``train_step`` calls on a fixed batch:
 
 * measured bubble fraction: ``1 - sum(busy) / (P * makespan)``, busy being each
@@ -16,54 +16,20 @@ of micro-batches ``M``, times a few ``train_step`` calls on a fixed batch:
 * peak live micro-batch activations on any rank, measured by the runtime,
   next to the simulator's.
 
-Results go to ``--out`` (default ``benchmarks/results/pipeline.json``) and a
-markdown table next to it (``.md``). Numbers are reported, never asserted.
+Results go to ``BASE.json`` and ``BASE.md`` (default ``benchmarks/results/pipeline``).
+Numbers are reported, never asserted.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = ROOT / "benchmarks" / "results" / "pipeline.json"
-
-
-def parse() -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="small grid, finishes in under a minute")
-    ap.add_argument("--stages", type=int, default=2, help="pipeline ranks (mpirun -np)")
-    ap.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON path; .md written next to it")
-    ap.add_argument("--timeout", type=int, default=900, help="seconds for the whole mpirun job")
-    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    return ap.parse_args()
-
-
-def launch(args: argparse.Namespace) -> int:
-    """Run the workers under mpirun and print the markdown table."""
-    env = dict(os.environ)
-    env.update({"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1",
-                "OMPI_MCA_mpi_yield_when_idle": "1", "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))})
-    cmd = [shutil.which("mpirun") or "mpirun", "-np", str(args.stages), "--oversubscribe",
-           "--bind-to", "none", "--timeout", str(max(10, args.timeout - 10)),
-           sys.executable, str(Path(__file__).resolve()), "--worker", "--stages", str(args.stages),
-           "--out", str(args.out.resolve())] + (["--quick"] if args.quick else [])
-    try:
-        proc = subprocess.run(cmd, env=env, timeout=args.timeout, start_new_session=True)
-    except subprocess.TimeoutExpired:
-        print(f"benchmark killed after {args.timeout}s", file=sys.stderr)
-        return 124
-    if proc.returncode == 0:
-        print(args.out.with_suffix(".md").read_text())
-    return proc.returncode
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import launch, load_note, md_table, meta, parse_args, versions, write_results  # noqa: E402
 
 
 def theory(schedule: str, p: int, m: int, v: int) -> float:
@@ -71,7 +37,7 @@ def theory(schedule: str, p: int, m: int, v: int) -> float:
     return (p - 1) / ((v if schedule == "interleaved" else 1) * m + p - 1)
 
 
-def worker(args: argparse.Namespace) -> None:
+def worker(args: Any) -> None:
     import torch
 
     import plait
@@ -82,6 +48,8 @@ def worker(args: argparse.Namespace) -> None:
     p = world.size
     width, layers, batch, steps = (512, 8, 512, 3) if args.quick else (1024, 8, 512, 5)
     grid = [1, 4, 8] if args.quick else [1, 2, 4, 8, 16]
+    if args.smoke:
+        width, layers, batch, steps, grid = 32, 4, 16, 1, [1, 4]
     rng = torch.Generator().manual_seed(0)
     x = torch.randn(batch, width, generator=rng)
     y = torch.randint(0, 10, (batch,), generator=rng)
@@ -116,7 +84,8 @@ def worker(args: argparse.Namespace) -> None:
             sim = simulate(get_schedule(schedule, p, m, v))
             rows.append({
                 "schedule": schedule, "stages": p, "chunks": v, "microbatches": m,
-                "batch": batch, "step_s": statistics.median(walls),
+                "batch": batch, "step_s": {"min": min(walls), "median": statistics.median(walls),
+                                           "max": max(walls), "n": len(walls)},
                 "samples_per_s": batch / statistics.median(walls),
                 "bubble_measured": statistics.median(bubbles),
                 "bubble_theory": theory(schedule, p, m, v),
@@ -131,31 +100,34 @@ def worker(args: argparse.Namespace) -> None:
         write(rows, args, width, layers)
 
 
-def write(rows: list[dict[str, float]], args: argparse.Namespace, width: int, layers: int) -> None:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"quick": args.quick, "width": width, "blocks": layers, "model": "torch MLP",
-            "host_cpus": os.cpu_count(), "rows": rows}
-    args.out.write_text(json.dumps(meta, indent=2) + "\n")
-    lines = [
-        f"Pipeline benchmark: torch MLP ({layers} x Linear({width}) + Tanh), P={rows[0]['stages']} "
-        f"ranks on {os.cpu_count()} CPUs, batch {rows[0]['batch']}{' (quick)' if args.quick else ''}",
-        "",
-        "| schedule | M | step ms | samples/s | vs naive M=1 | bubble measured | bubble theory "
-        "| bubble sim | peak live | peak live sim |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        lines.append(
-            f"| {r['schedule']} | {r['microbatches']} | {1e3 * r['step_s']:.1f} | "
-            f"{r['samples_per_s']:.0f} | {r['speedup_vs_naive']:.2f}x | {r['bubble_measured']:.3f} | "
-            f"{r['bubble_theory']:.3f} | {r['bubble_simulated']:.3f} | {r['peak_live_measured']} | "
-            f"{r['peak_live_simulated']} |")
-    args.out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int) -> None:
+    """Rank 0: the JSON and markdown results."""
+    p, batch = rows[0]["stages"], rows[0]["batch"]
+    table = md_table(
+        ["schedule", "M", "step ms", "samples/s", "vs naive M=1", "bubble measured", "bubble theory",
+         "bubble sim", "peak live", "peak live sim"],
+        [[r["schedule"], r["microbatches"], f"{1e3 * r['step_s']['median']:.1f}",
+          f"{r['samples_per_s']:.0f}", f"{r['speedup_vs_naive']:.2f}x", f"{r['bubble_measured']:.3f}",
+          f"{r['bubble_theory']:.3f}", f"{r['bubble_simulated']:.3f}", r["peak_live_measured"],
+          r["peak_live_simulated"]] for r in rows])
+    markdown = (
+        f"# Pipeline parallelism\n\ntorch MLP ({layers} x Linear({width}) + Tanh), P={p} ranks, "
+        f"batch {batch}{' (quick)' if args.quick else ''}; {load_note()}. Bubble measured = "
+        f"1 - sum(busy) / (P x makespan) from the runtime's per-stage timers; theory "
+        f"(P-1)/(vM+P-1); sim = the pure simulator (forward 1, backward 2). Peak live = most "
+        f"micro-batch activations alive on one rank.\n\n{table}")
+    write_results(args.out, "pipeline", rows, markdown,
+                  meta=meta(quick=args.quick, width=width, blocks=layers, model="torch MLP",
+                            versions=versions()))
 
 
 if __name__ == "__main__":
-    ns = parse()
-    if ns.worker:
-        worker(ns)
-    else:
-        sys.exit(launch(ns))
+    ns = parse_args(__doc__.splitlines()[0])
+    if not ns.worker:
+        code = launch(__file__, ns)
+        if code == 0:
+            print(Path(ns.out).with_suffix(".md").read_text())
+        raise SystemExit(code)
+    worker(ns)
