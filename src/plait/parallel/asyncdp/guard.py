@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import os
 import sys
+import time
 
 __all__ = ["in_flight", "track", "untrack"]
 
@@ -42,6 +43,7 @@ def _abort_if_in_flight() -> None:
         f"plait.asyncdp: {', '.join(in_flight())} is exiting before synchronize() (after an error?) "
         "with asynchronous work in flight; aborting so that the other ranks do not hang\n")
     sys.stderr.flush()
+    time.sleep(0.5)  # let the launcher forward this rank's last output before it ends the job
     os._exit(1)
 
 
