@@ -79,7 +79,8 @@ class Pipeline:
     Args:
         model: ``torch.nn.Sequential``, ``keras.Sequential`` (built), or a list of
             torch modules / Keras layers. Every rank passes the same model (same
-            initial weights); each keeps only its stages' layers.
+            initial weights); the pipeline references only this rank's stages' layers
+            (drop your own reference to the model to free the others' memory).
         stages: Pipeline ranks ``P`` (default: all ranks of the pipeline communicator).
         microbatches: Micro-batches per step ``M``; the batch must divide by it.
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
