@@ -14,6 +14,7 @@ from .errors import (
     PlaitTypeError,
 )
 from .parallel.mesh import Mesh
+from .parallel.pipeline import Pipeline
 from .parallel.tensor import ChannelSplit, Colwise, Rowwise, TensorParallel, VocabParallel
 from .protocols import Communicator, Handle, TensorOps
 from .runtime import init, is_initialized, shutdown, world
@@ -34,6 +35,7 @@ __all__ = [
     "Handle",
     "Mesh",
     "MismatchError",
+    "Pipeline",
     "PlaitError",
     "PlaitTypeError",
     "Rowwise",
