@@ -1,0 +1,72 @@
+"""Horovod elastic torch training with plait's ElasticState (tests/test_fault_tolerance.py).
+
+A script run by ``horovodrun --host-discovery-script`` (not a pytest file). Rank 0
+rewrites the discovery file (HVD_HOSTS) to add a slot at step HVD_ADD and remove it
+at step HVD_REMOVE; training continues across both changes and finishes.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+
+def main() -> None:
+    import horovod.torch as hvd
+    import numpy as np
+    import torch
+    from plait.collectives.horovod_elastic import ElasticState, run
+
+    from plait.compression import Residual
+
+    torch.set_num_threads(1)
+    hvd.init()
+    steps = int(os.environ.get("HVD_STEPS", "14"))
+    add_at, remove_at = int(os.environ["HVD_ADD"]), int(os.environ["HVD_REMOVE"])
+    hosts_file = os.environ["HVD_HOSTS"]
+    with np.load(os.environ["FT_DATA"]) as data:
+        x_all = torch.tensor(data["x"] / 16.0, dtype=torch.float32)
+        y_all = torch.tensor(data["y"], dtype=torch.int64)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+                                   named_parameters=model.named_parameters())
+    memory = Residual()
+    memory.residuals["seen"] = torch.zeros(1)
+    state = ElasticState(model, opt, state={"ef": memory}, step=0, sizes=[])
+
+    @run
+    def train(state: ElasticState) -> None:
+        while state.step < steps:
+            rank, size = hvd.rank(), hvd.size()
+            if not state.sizes or state.sizes[-1] != size:
+                state.sizes = [*state.sizes, size]
+            perm = np.random.RandomState(state.step).permutation(len(y_all))[:96]
+            mine = torch.from_numpy(np.array_split(perm, size)[rank])
+            opt.zero_grad()
+            torch.nn.functional.cross_entropy(model(x_all[mine]), y_all[mine]).backward()
+            opt.step()
+            memory.residuals["seen"] = memory.residuals["seen"] + 1
+            state.step += 1
+            if rank == 0:
+                print(f"HVD step={state.step} size={size}", flush=True)
+                if state.step in (add_at, remove_at):
+                    slots = 3 if state.step == add_at else 2
+                    with open(hosts_file + ".tmp", "w") as f:
+                        f.write(f"localhost:{slots}\n")
+                    os.replace(hosts_file + ".tmp", hosts_file)
+            state.commit()
+            time.sleep(float(os.environ.get("HVD_SLEEP", "0.5")))
+
+    train(state)
+    flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+    gathered = hvd.allgather(flat.reshape(1, -1))
+    same = all(torch.equal(gathered[0], row) for row in gathered)
+    seen = hvd.allgather(memory.residuals["seen"].reshape(1, -1))
+    if hvd.rank() == 0:
+        print(f"HVD done sizes={state.sizes} replicas_equal={same} "
+              f"residual_steps={seen.reshape(-1).tolist()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
