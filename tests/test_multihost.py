@@ -37,10 +37,10 @@ from jobs import ROOT, pytest_argv
 
 from plait.testing.netns import EmulatedHosts
 
-pytestmark = pytest.mark.timeout(400)
+pytestmark = pytest.mark.timeout(600)
 
-JOB_S = 180  # plait run / mpirun --timeout of a normal job
-HARD_S = 240  # harness kill of a normal job (kills its whole process group)
+JOB_S = 300  # plait run / mpirun --timeout of a normal job (generous: 2 shared cores)
+HARD_S = 360  # harness kill of a normal job (kills its whole process group)
 VENV_BIN = str(Path(sys.executable).parent)
 MULTIHOST_JOB = str(ROOT / "tests" / "parallel" / "job_multihost.py")
 DIGITS = str(ROOT / "examples" / "torch_digits.py")
