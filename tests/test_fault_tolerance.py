@@ -177,3 +177,35 @@ def test_elastic_restart_excludes_a_host_whose_link_went_down(
     resumed = re.findall(r"FT rank=\d attempt=1 resumed=(\d+) size=2", stdout)
     assert len(resumed) == 2, context
     assert resumed and int(resumed[0]) >= 4, context
+
+
+@pytest.mark.skipif(not (Path(sys.executable).parent / "horovodrun").exists(),
+                    reason="horovodrun is not installed in this environment")
+@pytest.mark.timeout(400)
+def test_horovod_elastic_adds_and_removes_a_worker(tmp_path: Path, digits: str) -> None:
+    """Horovod elastic on localhost slots (emulated hosts were too slow here): 2 -> 3 -> 2 workers."""
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost:2\n")
+    discover = tmp_path / "discover.sh"
+    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.chmod(0o755)
+    job = str(ROOT / "tests" / "parallel" / "job_ckpt_hvd_elastic.py")
+    argv = [str(Path(sys.executable).parent / "horovodrun"), "-np", "2", "--min-np", "2",
+            "--max-np", "3", "--host-discovery-script", str(discover), "--gloo",
+            "--network-interface", "lo", "--start-timeout", "120", sys.executable, job]
+    env = mpi_env({"FT_DATA": digits, "HVD_HOSTS": str(hosts), "HVD_ADD": "3", "HVD_REMOVE": "8",
+                   "HVD_STEPS": "14"})
+    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=360,
+                          start_new_session=True)
+    context = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    assert proc.returncode == 0, context
+    done = re.search(r"HVD done sizes=\[(.*?)\] replicas_equal=(\w+) residual_steps=\[(.*?)\]",
+                     proc.stdout)
+    assert done is not None, context
+    assert [int(s) for s in done.group(1).split(",")] == [2, 3, 2], context
+    assert done.group(2) == "True", context
+    # the plait state object (a residual memory counting steps) was committed and synced:
+    # every rank, the one that joined late included, counted all 14 steps
+    assert [float(s) for s in done.group(3).split(",")] == [14.0, 14.0], context
+    joined = re.search(r"HVD joined rank=2 step=(\d+) seen=([\d.]+)", proc.stdout)
+    assert joined is not None and int(joined.group(1)) == float(joined.group(2)) > 1, context

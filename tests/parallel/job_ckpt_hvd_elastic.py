@@ -39,6 +39,9 @@ def main() -> None:
     def train(state: ElasticState) -> None:
         while state.step < steps:
             rank, size = hvd.rank(), hvd.size()
+            if int(memory.residuals["seen"].item()) != state.step:  # also on a worker that just joined
+                raise RuntimeError(f"rank {rank}: plait state not in sync: seen "
+                                   f"{memory.residuals['seen'].item()} at step {state.step}")
             if not state.sizes or state.sizes[-1] != size:
                 state.sizes = [*state.sizes, size]
             perm = np.random.RandomState(state.step).permutation(len(y_all))[:96]
@@ -55,6 +58,10 @@ def main() -> None:
                     with open(hosts_file + ".tmp", "w") as f:
                         f.write(f"localhost:{slots}\n")
                     os.replace(hosts_file + ".tmp", hosts_file)
+            if size == 3 and rank == 2 and not os.environ.get("HVD_JOINED_REPORTED"):
+                os.environ["HVD_JOINED_REPORTED"] = "1"
+                print(f"HVD joined rank=2 step={state.step} seen={memory.residuals['seen'].item()}",
+                      flush=True)
             state.commit()
             time.sleep(float(os.environ.get("HVD_SLEEP", "0.5")))
 
