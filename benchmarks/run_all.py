@@ -225,8 +225,10 @@ def write_report(path: Path, runs: list[dict[str, Any]], before: dict[str, Any],
            "\n## Machine\n",
            f"- {before.get('cores')} cores ({before.get('cpu', '?')}), "
            f"{before.get('memory_gib', '?')} GiB memory, {before.get('platform', '')}\n",
-           f"- load average before: {before.get('loadavg')}, after: {after.get('loadavg')} "
-           "(other jobs share this machine; see the noise in each table)\n",
+           (f"- load average before: {before.get('loadavg')}, after: {after.get('loadavg')} "
+            if runs else f"- load average now: {after.get('loadavg')} (each table notes the load "
+            "during its own run) ")
+           + "(other jobs share this machine; see the noise in each table)\n",
            "\n## Versions (`plait info --json`)\n\n"]
     out += [f"- {k}: {v}\n" for k, v in info.items()]
     out.append("\n## Runs\n\n")
