@@ -85,6 +85,8 @@ def init(backend: str | None = None, *, check: bool | None = None, timeout: floa
                 f"cannot re-initialise with {name!r} (call plait.shutdown() first)"
             )
         return current
+    timeline = importlib.import_module("plait.collectives.timeline")
+    timeline.prepare_env(name)  # PLAIT_STALL_* -> HOROVOD_STALL_* before hvd.init
     comm: Communicator
     if name == "mpi":
         try:
@@ -101,6 +103,7 @@ def init(backend: str | None = None, *, check: bool | None = None, timeout: floa
     if name == "mpi" or importlib.import_module("plait.collectives.horovod").mpi_launched():
         # a rank dying of any uncaught exception ends the job instead of hanging its peers
         importlib.import_module("plait.collectives.abort").install(every_exception=True)
+    comm = timeline.maybe_wrap(comm)  # itself unless PLAIT_TIMELINE / PLAIT_STALL_WARNING is set
     _RUNTIME.world = comm
     return comm
 

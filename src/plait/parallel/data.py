@@ -25,6 +25,8 @@ __all__ = ["DEFAULT_BUCKET_MB", "Bucket", "GradientReducer", "GradSpec", "plan_b
 
 #: Default fusion bucket size in MiB (torch DDP's default is 25 MiB as well).
 DEFAULT_BUCKET_MB = 25.0
+#: The first bucket's limit in bytes (DDP's is 1 MiB), so communication starts early.
+FIRST_BUCKET_BYTES = 2**20
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
              "int16": 2, "int32": 4, "int64": 8, "bool": 1}
@@ -61,12 +63,17 @@ class Bucket:
         return len(self.grads) == len(self.specs)
 
 
-def plan_buckets(specs: Sequence[GradSpec], bucket_bytes: float) -> list[list[GradSpec]]:
+def plan_buckets(specs: Sequence[GradSpec], bucket_bytes: float,
+                 first_bucket_bytes: float = FIRST_BUCKET_BYTES) -> list[list[GradSpec]]:
     """Group gradients into buckets, last-registered first.
+
+    The first bucket is small (as in torch DDP), so that its allreduce starts
+    early in backward instead of after the whole model's gradients.
 
     Args:
         specs: gradients in registration (forward) order.
         bucket_bytes: the largest bucket in bytes; 0 puts every gradient alone.
+        first_bucket_bytes: the largest first bucket (at most ``bucket_bytes``).
 
     Returns:
         Lists of specs, one per bucket, in submission order.
@@ -76,7 +83,8 @@ def plan_buckets(specs: Sequence[GradSpec], bucket_bytes: float) -> list[list[Gr
     for spec in reversed(list(specs)):
         nbytes = spec.numel * _ITEMSIZE.get(spec.dtype, 4)
         current = open_by_dtype.get(spec.dtype)
-        if current is None or current[1] + nbytes > bucket_bytes or bucket_bytes <= 0:
+        cap = min(bucket_bytes, first_bucket_bytes) if len(buckets) <= 1 else bucket_bytes
+        if current is None or current[1] + nbytes > cap or bucket_bytes <= 0:
             current = ([], 0)
             buckets.append(current[0])
         current[0].append(spec)
