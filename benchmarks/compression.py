@@ -126,6 +126,8 @@ def _worker(args: Any) -> None:
     torch.set_num_threads(1)
     comm = MPICommunicator(MPI.COMM_WORLD.Dup(), timeout=600)
     steps, warmup = (8, 2) if args.quick else (45, 3)
+    if args.steps:
+        steps, warmup = max(args.steps, 3), 2
     names = QUICK if args.quick else tuple(PLAIT)
     rows = []
     for name in names:
@@ -148,7 +150,11 @@ def _worker(args: Any) -> None:
                             rank=comm.rank, world_size=comm.size)
     for name in DDP if not args.quick else DDP[::2]:
         model = _model()
-        ddp = torch.nn.parallel.DistributedDataParallel(model)
+        # torch's PowerSGD hook over gloo with several buckets mixes up the buckets' collectives
+        # (a size-mismatch abort or a hang, torch 2.13): one bucket for the whole model.
+        ddp = torch.nn.parallel.DistributedDataParallel(
+            model, bucket_cap_mb=max(64, 8 * sum(p.numel() for p in model.parameters()) / 2**20)
+            if "powersgd" in name else 25)
         if name == "ddp fp16 hook":
             ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
         elif name.startswith("ddp powersgd"):
@@ -234,7 +240,7 @@ def _outer(args: Any) -> int:
                               "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL", "GLOO_SOCKET_IFNAME")
                   for a in ("-x", v)],
                 sys.executable, str(Path(__file__).resolve()), "--worker", "1", "--out", args.out,
-                "--rate", args.rate, *(["--quick"] if args.quick else [])]
+                "--rate", args.rate, "--steps", str(args.steps), *(["--quick"] if args.quick else [])]
         env["GLOO_SOCKET_IFNAME"] = "eth0"
         proc = hosts.exec(hosts.hosts[0], argv, timeout=args.timeout, env=env, cwd=str(ROOT))
         sys.stdout.write(proc.stdout)
@@ -243,8 +249,12 @@ def _outer(args: Any) -> int:
 
 
 def main() -> int:
-    args = parse_args(__doc__.splitlines()[0], extra=lambda p: p.add_argument(
-        "--rate", default="1gbit", help="tc rate of each host's link (default 1gbit)"))
+    def extra(p: Any) -> None:
+        p.add_argument("--rate", default="1gbit", help="tc rate of each host's link (default 1gbit)")
+        p.add_argument("--steps", type=int, default=0,
+                       help="training steps per row (default 45, 8 with --quick; 2 are warm-up)")
+
+    args = parse_args((__doc__ or "").splitlines()[0], extra=extra)
     if args.worker:
         _worker(args)
         return 0
