@@ -98,10 +98,6 @@ def launcher_argv(hosts: EmulatedHosts, launcher: str, backend: str | None) -> l
     if launcher == "plait":
         return [*plait, "--hostfile", hosts.hostfile, *hosts.mpirun_args(),
                 "--backend", backend or "auto", "--"]
-    if launcher == "plait-horovodrun":
-        return [*plait, "--launcher", "horovodrun", "--gloo", "--hostfile", hosts.hostfile,
-                "--network-interface", "eth0", "--start-timeout", "60",
-                "--backend", backend or "auto", "--"]
     if launcher == "mpirun":
         return ["mpirun", "--allow-run-as-root", "-np", np, "--hostfile", hosts.hostfile,
                 *hosts.mpirun_args(), "--timeout", str(JOB_S), *MPIRUN_X]
@@ -109,9 +105,6 @@ def launcher_argv(hosts: EmulatedHosts, launcher: str, backend: str | None) -> l
         return [*horovodrun, "--gloo", "--hostfile", hosts.plain_hostfile]
     if launcher == "horovodrun-gloo-H":
         return [*horovodrun, "--gloo", "-H", hosts.hosts_arg]
-    if launcher == "horovodrun-mpi-H":
-        return [*horovodrun, "--mpi", "-H", hosts.hosts_arg, "--mpi-args",
-                f"--timeout {JOB_S} --mca oob_tcp_if_include {hosts.cidr}"]
     raise ValueError(launcher)
 
 
@@ -156,19 +149,18 @@ def four_hosts() -> Iterator[EmulatedHosts]:
         yield hosts
 
 
-# (layout, launcher, job, backend): every launcher runs both jobs; both backends run under
-# plait run, mpirun and horovodrun (Horovod's Gloo controller has no MPI, so its collectives
-# job covers the horovod backend only).
+# (layout, launcher, job, backend): every launcher runs both jobs on some layout, and both
+# layouts; both backends run under plait run and mpirun (the collectives job covers both in one
+# launch); Horovod's Gloo controller has no MPI, so horovodrun covers the horovod backend.
+# horovodrun launches cost 15-20 s more than mpirun ones (task servers on every host), so
+# there are two of them.
 CASES = [
     ("2x1", "plait", "collectives", None),
-    ("4x2", "plait", "collectives", None),
     ("4x2", "plait", "digits", "mpi"),
-    ("2x1", "plait-horovodrun", "digits", "horovod"),
-    ("2x1", "mpirun", "collectives", None),
-    ("4x2", "mpirun", "digits", "horovod"),
-    ("2x1", "horovodrun-gloo-hostfile", "collectives", None),
-    ("4x2", "horovodrun-gloo-H", "digits", "horovod"),
-    ("2x1", "horovodrun-mpi-H", "digits", "mpi"),
+    ("2x1", "plait", "digits", "horovod"),
+    ("4x2", "mpirun", "collectives", None),
+    ("4x2", "horovodrun-gloo-H", "collectives", None),
+    ("2x1", "horovodrun-gloo-hostfile", "digits", "horovod"),
 ]
 
 
@@ -281,13 +273,13 @@ def test_killed_rank_ends_the_job_naming_it(two_hosts: EmulatedHosts, tmp_path: 
 
 def test_downed_link_ends_the_job_with_a_collective_timeout(tmp_path: Path) -> None:
     with EmulatedHosts(2) as hosts:  # its own hosts: the link goes down
-        status, stderr, _ = fail_mid_job(hosts, tmp_path, job_timeout=30, action="link",
-                                         extra_env={"PLAIT_TIMEOUT": "5"})
+        status, stderr, _ = fail_mid_job(hosts, tmp_path, job_timeout=20, action="link",
+                                         extra_env={"PLAIT_TIMEOUT": "4"})
     assert status is not None, "the job hung: the harness had to kill it"
     assert status != 0, stderr
     # the survivors give up after PLAIT_TIMEOUT and say why; Open MPI cannot then reach the
     # cut-off host to end the job, so plait run's --timeout ends it (status 124)
-    assert "CollectiveTimeoutError" in stderr and "waited 5s" in stderr, stderr
+    assert "CollectiveTimeoutError" in stderr and "waited 4s" in stderr, stderr
     assert "aborts the job" in stderr, stderr
 
 
