@@ -221,3 +221,37 @@ def test_kill_during_checkpoint_writing_keeps_previous(tmp_path: Path) -> None:
         assert got >= before
         assert torch.equal(model.bias, torch.full((4096,), float(got)))
     assert mid_write >= 1, "no kill landed while a checkpoint was being written"
+
+
+def test_keras_round_trip_npz_without_pickle(tmp_path: Path) -> None:
+    """Keras 3 weights + optimizer variables + a residual memory, in arrays.npz + state.json."""
+    np = pytest.importorskip("numpy")
+    keras = pytest.importorskip("keras")
+    tf = pytest.importorskip("tensorflow")
+    from plait.compression import Residual
+
+    def build() -> tuple[object, object]:
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        opt = keras.optimizers.Adam(0.1)
+        model.compile(opt, "mse")
+        return model, opt
+
+    keras.utils.set_random_seed(0)
+    model, opt = build()
+    model.fit(np.random.rand(8, 4), np.random.rand(8, 3), verbose=0, epochs=2)
+    memory = Residual()
+    memory.residuals["w"] = tf.ones(3)
+    entry = Checkpoint(tmp_path).save(7, model, opt, {"ef": memory}, {"epoch": 2})
+    names = sorted(os.listdir(tmp_path / entry.name))
+    assert names == ["arrays.npz", "meta.json", "state.json"]
+    model2, opt2 = build()
+    memory2 = Residual()
+    ckpt = Checkpoint(tmp_path)
+    assert ckpt.restore(model2, opt2, {"ef": memory2}) == 7 and ckpt.extra == {"epoch": 2}
+    for a, b in zip(model.get_weights(), model2.get_weights(), strict=True):
+        assert np.array_equal(a, b)
+    for v, w in zip(opt.variables, opt2.variables, strict=True):
+        assert np.array_equal(v.numpy(), w.numpy()), v.name
+    assert np.array_equal(memory2.residuals["w"].numpy(), np.ones(3))
+    with pytest.raises(CheckpointError, match="framework 'tensorflow'"):
+        Checkpoint(tmp_path).restore(*make())
