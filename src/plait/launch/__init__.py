@@ -6,7 +6,15 @@ Standard library only: importing this package imports no framework and no MPI.
 from __future__ import annotations
 
 from plait.launch.command import LaunchCommand, LaunchSpec, build_command
-from plait.launch.context import JobContext, context, tf_config, torch_env
+from plait.launch.context import (
+    FRAMEWORKS,
+    JobContext,
+    context,
+    export_framework_env,
+    framework_env,
+    tf_config,
+    torch_env,
+)
 from plait.launch.hostfile import (
     HostfileError,
     HostSlots,
@@ -23,7 +31,10 @@ __all__ = [
     "LaunchCommand",
     "LaunchSpec",
     "build_command",
+    "FRAMEWORKS",
     "context",
+    "export_framework_env",
+    "framework_env",
     "parse_hostfile",
     "parse_hostfile_text",
     "parse_hosts",
