@@ -4,6 +4,7 @@
 imported when a communicator or adapter needs them.
 """
 
+from .checkpoint import Checkpoint, CheckpointError
 from .config import BACKENDS, Config
 from .errors import (
     BackendUnavailableError,
@@ -26,6 +27,8 @@ __all__ = [
     "BACKENDS",
     "BackendUnavailableError",
     "ChannelSplit",
+    "Checkpoint",
+    "CheckpointError",
     "Colwise",
     "CollectiveTimeoutError",
     "Communicator",
