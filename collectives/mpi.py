@@ -85,19 +85,23 @@ class MPICommunicator(CommunicatorBase):
         self._topology()
 
     # -- raw primitives ------------------------------------------------------------
-    def _poll(self, req: Any, what: str) -> None:
-        """Wait for ``req``, raising if the group does not complete it in time."""
+    def _wait_until(self, ready: Callable[[], bool], timed_out: Callable[[], str]) -> None:
+        """Poll ``ready`` (which drives MPI progress) until it is true, sleeping a
+        little between polls once it is slow; raise after ``self.timeout`` seconds."""
         deadline = time.monotonic() + self.timeout
         spins = 0
-        while not req.Test():
+        while not ready():
             spins += 1
             if spins > 200:
                 if time.monotonic() > deadline:
-                    raise CollectiveTimeoutError(
-                        f"{self!r}: waited {self.timeout:g}s for the other ranks to reach "
-                        f"{what}; some rank is dead, stuck or calling something else"
-                    )
+                    raise CollectiveTimeoutError(f"{self!r}: {timed_out()}")
                 time.sleep(min(1e-3, 1e-6 * spins))
+
+    def _poll(self, req: Any, what: str) -> None:
+        """Wait for ``req``, raising if the group does not complete it in time."""
+        self._wait_until(req.Test, lambda: (
+            f"waited {self.timeout:g}s for the other ranks to reach {what}; "
+            "some rank is dead, stuck or calling something else"))
 
     def _raw_min(self, values: np.ndarray) -> np.ndarray:
         out = np.empty_like(values)
@@ -279,17 +283,8 @@ class MPICommunicator(CommunicatorBase):
         return ops.from_numpy(out, like)
 
     def _poll_probe(self, source: int, tag: int, status: Any) -> None:
-        deadline = time.monotonic() + self.timeout
-        spins = 0
-        while not self.comm.Iprobe(source=source, tag=tag, status=status):
-            spins += 1
-            if spins > 200:
-                if time.monotonic() > deadline:
-                    raise CollectiveTimeoutError(
-                        f"{self!r}: no message from rank {source} (tag {tag}) "
-                        f"within {self.timeout:g}s"
-                    )
-                time.sleep(min(1e-3, 1e-6 * spins))
+        self._wait_until(lambda: bool(self.comm.Iprobe(source=source, tag=tag, status=status)),
+                         lambda: f"no message from rank {source} (tag {tag}) within {self.timeout:g}s")
 
     # -- groups ------------------------------------------------------------------------------------
     def split(self, color: int, key: int = 0) -> MPICommunicator:

@@ -14,10 +14,39 @@ from .errors import ConfigError, invalid
 from .protocols import Communicator, Handle
 
 __all__ = [
-    "Adasum", "Average", "Max", "Min", "Product", "Sum", "Face",
+    "Adasum", "Average", "Face", "Max", "Min", "Product", "Sum", "reduce_tensor", "resolve_op",
 ]
 
 Average, Sum, Adasum, Min, Max, Product = "average", "sum", "adasum", "min", "max", "product"
+
+
+def reduce_tensor(comm: Communicator, tensor: Any, op: str, name: str | None, compression: Any,
+                  prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
+    """Horovod's ``allreduce`` semantics: prescale, reduce (compressed when a compressor
+    is given and the op is a sum or average), postscale.
+
+    Args:
+        comm: the communicator.
+        tensor: the tensor.
+        op: reduction name.
+        name: collective name (also keys the compressor's state).
+        compression: a compressor, or ``Compression.none``.
+        prescale_factor: multiply before the reduction.
+        postscale_factor: multiply after the reduction.
+
+    Returns:
+        The reduced tensor.
+    """
+    from .compression import Compression, compressed_allreduce
+
+    if prescale_factor != 1.0:
+        tensor = tensor * prescale_factor
+    if compression is Compression.none or compression is None or op not in (Average, Sum):
+        out = comm.allreduce(tensor, op, name)
+    else:
+        out = compressed_allreduce(comm, tensor, name or "allreduce", compression,
+                                   average=op == Average)
+    return out * postscale_factor if postscale_factor != 1.0 else out
 
 
 def resolve_op(average: bool | None, op: str | None, default: str = Average) -> str:

@@ -9,8 +9,8 @@ from typing import Any
 
 from plait.adapters import tf_optim
 
-from ._face import Adasum, Average, Face, Max, Min, Product, Sum, resolve_op
-from .compression import Compression, compressed_allreduce
+from ._face import Adasum, Average, Face, Max, Min, Product, Sum, reduce_tensor, resolve_op
+from .compression import Compression
 from .parallel.data import DEFAULT_BUCKET_MB
 from .protocols import Communicator
 
@@ -37,16 +37,8 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
               prescale_factor: float = 1.0, postscale_factor: float = 1.0, name: str | None = None,
               process_set: Communicator | None = None) -> Any:
     """Reduce ``tensor`` over ranks (Horovod's signature; device arguments are ignored)."""
-    reduce_op = resolve_op(average, op)
-    comm = _F.comm(process_set)
-    if prescale_factor != 1.0:
-        tensor = tensor * prescale_factor
-    if compression is Compression.none or reduce_op not in (Average, Sum):
-        out = comm.allreduce(tensor, reduce_op, name)
-    else:
-        out = compressed_allreduce(comm, tensor, name or "allreduce", compression,
-                                   average=reduce_op == Average)
-    return out * postscale_factor if postscale_factor != 1.0 else out
+    return reduce_tensor(_F.comm(process_set), tensor, resolve_op(average, op), name, compression,
+                         prescale_factor, postscale_factor)
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int,

@@ -12,8 +12,8 @@ from typing import Any
 from plait.adapters import torch_optim
 from plait.adapters.torch import collective_function
 
-from ._face import Adasum, Average, Face, Max, Min, Product, Sum, resolve_op
-from .compression import Compression, compressed_allreduce
+from ._face import Adasum, Average, Face, Max, Min, Product, Sum, reduce_tensor, resolve_op
+from .compression import Compression
 from .parallel.data import DEFAULT_BUCKET_MB
 from .protocols import Communicator
 
@@ -61,13 +61,7 @@ def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
     comm = _F.comm(process_set)
 
     def forward(t: Any) -> Any:
-        t = t * prescale_factor if prescale_factor != 1.0 else t
-        if compression is Compression.none or reduce_op not in (Average, Sum):
-            out = comm.allreduce(t, reduce_op, name)
-        else:
-            out = compressed_allreduce(comm, t, name or "allreduce", compression,
-                                       average=reduce_op == Average)
-        return out * postscale_factor if postscale_factor != 1.0 else out
+        return reduce_tensor(comm, t, reduce_op, name, compression, prescale_factor, postscale_factor)
 
     if tensor.requires_grad and reduce_op in (Average, Sum):
         return collective_function(forward, lambda g: comm.allreduce(g, reduce_op))(tensor)
