@@ -7,12 +7,16 @@ from typing import Any
 import keras
 import numpy as np
 
+from plait.errors import invalid
 from plait.progress import average_metrics
 from plait.protocols import Communicator
 
 from .tf_optim import broadcast_variables
 
-__all__ = ["BroadcastGlobalVariablesCallback", "LearningRateWarmupCallback", "MetricAverageCallback"]
+__all__ = [
+    "BroadcastGlobalVariablesCallback", "CommitStateCallback", "LearningRateWarmupCallback",
+    "MetricAverageCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback",
+]
 
 
 class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
@@ -89,3 +93,82 @@ class LearningRateWarmupCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
         if epoch + 1 == int(self.warmup_epochs) and self.verbose and self._comm.rank == 0:
             print(f"\nEpoch {epoch + 1}: finished learning-rate warm-up to {self.initial_lr:g}.")
+
+
+# -- Horovod elastic (state objects from plait.collectives.horovod_elastic_tf) -------------
+class CommitStateCallback(keras.callbacks.Callback):
+    """Commit an elastic state every ``batches_per_commit`` batches and at each epoch's end.
+
+    A commit is where a membership change is noticed: it raises Horovod's
+    ``HostsUpdatedInterrupt``, which ends ``fit`` so ``run`` can reset and retry.
+
+    Args:
+        state: the elastic state (``KerasState``).
+        batches_per_commit: batches between commits (>= 1).
+
+    Raises:
+        ConfigError: for ``batches_per_commit`` < 1.
+    """
+
+    def __init__(self, state: Any, batches_per_commit: int = 1) -> None:
+        super().__init__()
+        if int(batches_per_commit) < 1:
+            raise invalid("batches_per_commit", batches_per_commit, "an integer >= 1")
+        self.state, self.batches_per_commit = state, int(batches_per_commit)
+        self._left = self.batches_per_commit
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._left = self.batches_per_commit  # equal on all ranks after every reset
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self._left -= 1
+        if self._left == 0:
+            self.state.commit()
+            self._left = self.batches_per_commit
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.state.commit()
+
+
+class UpdateBatchStateCallback(keras.callbacks.Callback):
+    """Keep ``state.batch`` at the batch reached, so a retried epoch runs only the rest."""
+
+    def __init__(self, state: Any) -> None:
+        super().__init__()
+        self.state = state
+        self._steps: int | None = None
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._steps = None
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        steps = self.params.get("steps")
+        if steps:
+            if self._steps is None:
+                self._steps = int(steps)
+            self.params["steps"] = self._steps - int(self.state.batch)
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        self.state.batch = batch
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.state.batch = 0
+
+
+class UpdateEpochStateCallback(keras.callbacks.Callback):
+    """Keep ``state.epoch`` at the number of epochs finished, across resets.
+
+    As in Horovod, each retry calls ``fit(..., epochs=total - state.epoch)``: Keras
+    counts that retry's epochs from 0 and this callback adds the epochs done before.
+    """
+
+    def __init__(self, state: Any) -> None:
+        super().__init__()
+        self.state = state
+        self._initial = int(state.epoch)
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        self._initial = int(self.state.epoch)
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        self.state.epoch = self._initial + epoch + 1

@@ -97,6 +97,14 @@ class _World:
             self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="plait-hvd")
         return self._worker
 
+    def restart(self) -> None:
+        """Shut the library down and initialise it again (Horovod elastic's reset):
+        membership, ranks and sizes may have changed; every process set is gone."""
+        self.hvd.shutdown()
+        self.hvd.init(process_sets="dynamic")
+        self.sets.clear()
+        self.communicators = 1  # only the world communicator (id 1) survives a restart
+
     def next_id(self) -> int:
         """Id of a new communicator: the same on all its ranks, since communicators
         are created collectively in the same order."""
@@ -140,6 +148,31 @@ class HorovodCommunicator(CommunicatorBase):
             self._topology()
         self._ops_map = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min,
                          "max": hvd.Max, "product": hvd.Product, "adasum": hvd.Adasum}
+
+    def reset(self) -> None:
+        """Restart Horovod and rebind this world communicator to the new membership.
+
+        Used by Horovod's elastic mode (:mod:`plait.collectives.horovod_elastic`) after
+        workers were added or removed: every surviving and new worker calls it at the
+        same point, so op names (counted from zero again) agree on all ranks. Objects
+        holding this communicator (optimizers, callbacks) keep working; groups made
+        by :meth:`split` before the reset are invalid.
+
+        Raises:
+            NotImplementedError: on a group made by :meth:`split`, or under mpirun
+                (Horovod elastic runs on Gloo, started by horovodrun).
+        """
+        if self._cid != 1 or self._mpi is not None:
+            raise NotImplementedError(
+                "reset() restarts Horovod for the world communicator of a horovodrun (Gloo) "
+                f"job; this is communicator {self._cid}"
+                + (" of an mpirun job" if self._mpi is not None else ""))
+        self._w.restart()
+        self._set = self._hvd.global_process_set
+        self.rank, self.size = int(self._hvd.rank()), int(self._hvd.size())
+        self.local_rank, self.local_size = int(self._hvd.local_rank()), int(self._hvd.local_size())
+        self.cross_rank, self.cross_size = int(self._hvd.cross_rank()), int(self._hvd.cross_size())
+        self._seq = 0
 
     def _name(self, kind: str, name: str | None = None) -> str:
         """A name for the next Horovod op, equal on every rank of this communicator.

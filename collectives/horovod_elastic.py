@@ -1,12 +1,19 @@
-"""Horovod's elastic mode (``hvd.elastic.run``) with plait state objects (torch).
+"""Horovod's elastic mode with plait: what the torch and the TensorFlow states share.
 
-:class:`ElasticState` is Horovod's ``TorchState`` (model, optimizer and plain
-attributes such as ``step``, committed in memory and restored after a worker
-fails, synchronised from rank 0 when workers join) extended with plait state
-objects (:class:`plait.checkpoint.Stateful`, e.g. error-feedback memories).
-Run the training function under :func:`run` inside
-``horovodrun --host-discovery-script ... -np N --min-np A --max-np B``.
-This module imports horovod (only ``collectives/`` may).
+Horovod's ``hvd.elastic.run`` retries the training function after workers were
+added or removed, resetting the library in between. plait adds two things:
+
+* the reset also rebinds plait's world communicator (when it runs on Horovod),
+  so optimizers and callbacks made from ``plait.torch`` / ``plait.keras`` keep
+  working with the new ranks and sizes;
+* plait state objects (:class:`plait.checkpoint.Stateful`, e.g. error-feedback
+  memories) are committed, restored and synchronised with the model.
+
+The framework states are in :mod:`plait.collectives.horovod_elastic_torch` and
+:mod:`plait.collectives.horovod_elastic_tf`; users reach them as
+``plait.torch.elastic`` and ``plait.keras.elastic`` / ``plait.tensorflow.elastic``.
+Elastic jobs are started by ``horovodrun --host-discovery-script ... --min-np A``
+(Gloo). This module imports horovod (only ``collectives/`` may).
 """
 
 from __future__ import annotations
@@ -15,58 +22,72 @@ import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import horovod.torch as hvd
-from horovod.torch.elastic import TorchState
+from horovod.common.elastic import run_fn
 
 from plait.checkpoint.state import Stateful, as_stateful
 
-__all__ = ["ElasticState", "run"]
+__all__ = ["PlaitObjects", "elastic_run", "reset"]
 
 
-class ElasticState(TorchState):  # type: ignore[misc]
-    """Horovod elastic state of a torch job plus plait state objects.
+class PlaitObjects:
+    """plait state objects kept in step with a Horovod elastic state.
 
     Args:
-        model: the torch model.
-        optimizer: its optimizer.
-        state: plait state objects by name (``state_dict()``/``load_state_dict()``, or
-            residual memories); committed, restored and synchronised with the rest.
-        **kwargs: plain attributes (``step=0``, ``epoch=0``) as in Horovod's ``TorchState``.
+        state: plait state objects by name (``state_dict()``/``load_state_dict()``,
+            or residual memories), or None.
     """
 
-    def __init__(self, model: Any = None, optimizer: Any = None,
-                 state: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        self._plait: dict[str, Stateful] = {k: as_stateful(v, k) for k, v in (state or {}).items()}
-        self._plait_saved: dict[str, Any] = {}
-        super().__init__(model=model, optimizer=optimizer, **kwargs)
+    def __init__(self, state: Mapping[str, Any] | None) -> None:
+        self.objects: dict[str, Stateful] = {k: as_stateful(v, k) for k, v in (state or {}).items()}
+        self._saved: dict[str, Any] = {}
 
     def save(self) -> None:
-        """Commit: remember everything in memory (Horovod calls this on ``commit()``)."""
-        self._plait_saved = {k: copy.deepcopy(dict(s.state_dict())) for k, s in self._plait.items()}
-        super().save()
+        """Remember every object's state in memory (on ``commit()``)."""
+        self._saved = {k: copy.deepcopy(dict(s.state_dict())) for k, s in self.objects.items()}
 
     def restore(self) -> None:
-        """Roll back to the last commit (after a worker failed)."""
-        for name, saved in self._plait_saved.items():
-            self._plait[name].load_state_dict(copy.deepcopy(saved))
-        super().restore()
+        """Roll every object back to the last :meth:`save`."""
+        for name, saved in self._saved.items():
+            self.objects[name].load_state_dict(copy.deepcopy(saved))
 
-    def sync(self) -> None:
-        """Make every worker (new ones too) hold rank 0's state."""
-        super().sync()
-        for name, obj in self._plait.items():
-            obj.load_state_dict(hvd.broadcast_object(dict(obj.state_dict()), root_rank=0,
-                                                     name=f"plait.elastic.{name}"))
+    def sync(self, broadcast_object: Callable[[Any, str], Any]) -> None:
+        """Give every worker rank 0's objects.
+
+        Args:
+            broadcast_object: ``(obj, name) -> rank 0's obj``, the framework's Horovod call.
+        """
+        for name, obj in self.objects.items():
+            obj.load_state_dict(broadcast_object(dict(obj.state_dict()), f"plait.elastic.{name}"))
 
 
-def run(func: Callable[..., Any]) -> Callable[..., Any]:
-    """Horovod's ``hvd.elastic.run``: retry ``func(state, ...)`` across membership changes.
+def reset(hvd: Any, framework: str) -> None:
+    """Horovod's elastic reset (shut down, initialise again), rebinding plait's world.
 
     Args:
-        func: the training function; its first argument is an :class:`ElasticState`.
+        hvd: ``horovod.torch`` or ``horovod.tensorflow``.
+        framework: "torch" or "tensorflow", the library ``hvd`` is.
+    """
+    from plait import runtime
+
+    world = runtime.world() if runtime.is_initialized() else None
+    if world is not None and world.backend == "horovod" and getattr(world, "framework", None) == framework:
+        world.reset()  # type: ignore[attr-defined]
+    else:
+        hvd.shutdown()
+        hvd.init()
+
+
+def elastic_run(func: Callable[..., Any], hvd: Any, framework: str) -> Callable[..., Any]:
+    """Horovod's ``run_fn`` with :func:`reset` as the reset.
+
+    Args:
+        func: the training function; its first argument is the elastic state.
+        hvd: ``horovod.torch`` or ``horovod.tensorflow``.
+        framework: "torch" or "tensorflow".
 
     Returns:
-        The wrapped function.
+        The wrapped function: it syncs the state, runs ``func`` and, after workers were
+        added or removed (or one failed), resets, restores or syncs, and runs it again.
     """
-    wrapped: Callable[..., Any] = hvd.elastic.run(func)
+    wrapped: Callable[..., Any] = run_fn(func, lambda: reset(hvd, framework))
     return wrapped

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from plait.checkpoint import Checkpoint, CheckpointError, atomic_write, list_complete, read_manifest
@@ -174,6 +175,46 @@ def test_elastic_plan() -> None:
         from plait.elastic import policy_from_env
 
         policy_from_env({"PLAIT_ELASTIC_POLICY": "grow"})
+
+
+def test_horovod_elastic_keras_callbacks_track_commits_epochs_and_batches() -> None:
+    """Horovod's elastic callbacks on a real ``fit`` (a plain object as the state)."""
+    keras = pytest.importorskip("keras")
+    from types import SimpleNamespace
+
+    from plait.adapters.keras_callbacks import (
+        CommitStateCallback,
+        UpdateBatchStateCallback,
+        UpdateEpochStateCallback,
+    )
+
+    commits: list[int] = []
+    state = SimpleNamespace(epoch=3, batch=0, commit=lambda: commits.append(state.batch))
+    model = keras.Sequential([keras.Input((2,)), keras.layers.Dense(1)])
+    model.compile(optimizer="sgd", loss="mse")
+    seen: list[int] = []
+    record = keras.callbacks.LambdaCallback(on_epoch_begin=lambda e, logs: seen.append(e))
+    x = np.zeros((6, 2), "float32")
+    model.fit(x, x[:, :1], batch_size=2, epochs=2, verbose=0,
+              callbacks=[UpdateBatchStateCallback(state), CommitStateCallback(state, 2),
+                         UpdateEpochStateCallback(state), record])
+    # 3 batches per epoch: commits after every 2nd batch and at each epoch's end
+    assert commits == [1, 0, 0, 2, 0]
+    assert (state.epoch, state.batch, seen) == (5, 0, [0, 1])
+    with pytest.raises(ConfigError, match="batches_per_commit"):
+        CommitStateCallback(state, 0)
+
+
+def test_faces_expose_horovod_elastic_lazily() -> None:
+    code = ("import sys, plait.torch as hvd; assert 'horovod' not in sys.modules; "
+            "assert hvd.elastic.run and hvd.elastic.TorchState; "
+            "import plait.keras as k; assert k.elastic.KerasState is k.elastic.TensorFlowKerasState")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    import plait.torch as hvd
+
+    with pytest.raises(AttributeError, match="no attribute 'elastik'"):
+        hvd.elastik  # noqa: B018
 
 
 WRITER = """

@@ -179,33 +179,77 @@ def test_elastic_restart_excludes_a_host_whose_link_went_down(
     assert resumed and int(resumed[0]) >= 4, context
 
 
-@pytest.mark.skipif(not (Path(sys.executable).parent / "horovodrun").exists(),
-                    reason="horovodrun is not installed in this environment")
-@pytest.mark.timeout(400)
-def test_horovod_elastic_adds_and_removes_a_worker(tmp_path: Path, digits: str) -> None:
-    """Horovod elastic on localhost slots (emulated hosts were too slow here): 2 -> 3 -> 2 workers."""
-    hosts = tmp_path / "hosts"
-    hosts.write_text("localhost:2\n")
+def horovod_elastic(tmp_path: Path, job: str, hosts_text: str, env: dict[str, str],
+                    timeout: float, hosts: EmulatedHosts | None = None) -> str:
+    """Run ``job`` under ``horovodrun`` in elastic mode (2 to 3 workers) with a discovery
+    script printing HVD_HOSTS, which the job rewrites; return stdout. Asserts exit 0."""
+    hosts_file = tmp_path / "hosts"
+    hosts_file.write_text(hosts_text)
     discover = tmp_path / "discover.sh"
-    discover.write_text(f"#!/bin/sh\ncat {hosts}\n")
+    discover.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
     discover.chmod(0o755)
-    job = str(ROOT / "tests" / "parallel" / "job_ckpt_hvd_elastic.py")
     argv = [str(Path(sys.executable).parent / "horovodrun"), "-np", "2", "--min-np", "2",
             "--max-np", "3", "--host-discovery-script", str(discover), "--gloo",
-            "--network-interface", "lo", "--start-timeout", "120", sys.executable, job]
-    env = mpi_env({"FT_DATA": digits, "HVD_HOSTS": str(hosts), "HVD_ADD": "3", "HVD_REMOVE": "8",
-                   "HVD_STEPS": "14"})
-    proc = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=360,
-                          start_new_session=True)
-    context = f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    assert proc.returncode == 0, context
-    done = re.search(r"HVD done sizes=\[(.*?)\] replicas_equal=(\w+) residual_steps=\[(.*?)\]",
-                     proc.stdout)
-    assert done is not None, context
-    assert [int(s) for s in done.group(1).split(",")] == [2, 3, 2], context
-    assert done.group(2) == "True", context
+            "--network-interface", "lo" if hosts is None else "eth0", "--start-timeout", "120",
+            sys.executable, str(ROOT / "tests" / "parallel" / job)]
+    env = {"HVD_HOSTS": str(hosts_file), **env}
+    if hosts is None:
+        proc = subprocess.run(argv, cwd=ROOT, env=mpi_env(env), capture_output=True, text=True,
+                              timeout=timeout, start_new_session=True)
+    else:
+        proc = hosts.exec(hosts.hosts[0], argv, timeout=timeout, cwd=str(ROOT),
+                          env=hosts.env(mpi_env(env)))
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+HOROVODRUN = pytest.mark.skipif(not (Path(sys.executable).parent / "horovodrun").exists(),
+                                reason="horovodrun is not installed in this environment")
+
+
+@HOROVODRUN
+@pytest.mark.timeout(400)
+def test_horovod_elastic_torch_adds_and_removes_a_worker(tmp_path: Path, digits: str) -> None:
+    """``import plait.torch as hvd`` elastic on localhost slots: 2 -> 3 -> 2 workers."""
+    out = horovod_elastic(tmp_path, "job_ckpt_hvd_elastic.py", "localhost:2\n",
+                          {"FT_DATA": digits, "HVD_ADD": "3", "HVD_REMOVE": "8", "HVD_STEPS": "14"},
+                          timeout=360)
+    done = re.search(r"HVD done sizes=\[(.*?)\] replicas_equal=(\w+) residual_steps=\[(.*?)\]", out)
+    assert done is not None, out[-3000:]
+    assert [int(s) for s in done.group(1).split(",")] == [2, 3, 2], out[-3000:]
+    assert done.group(2) == "True", out[-3000:]
     # the plait state object (a residual memory counting steps) was committed and synced:
     # every rank, the one that joined late included, counted all 14 steps
-    assert [float(s) for s in done.group(3).split(",")] == [14.0, 14.0], context
-    joined = re.search(r"HVD joined rank=2 step=(\d+) seen=([\d.]+)", proc.stdout)
-    assert joined is not None and int(joined.group(1)) == float(joined.group(2)) > 1, context
+    assert [float(s) for s in done.group(3).split(",")] == [14.0, 14.0], out[-3000:]
+    joined = re.search(r"HVD joined rank=2 step=(\d+) seen=([\d.]+)", out)
+    assert joined is not None and int(joined.group(1)) == float(joined.group(2)) > 1, out[-3000:]
+
+
+def check_keras_elastic(out: str) -> None:
+    """2 -> 3 -> 2 workers; replicas equal; state and plait object counted every batch."""
+    done = re.search(r"HVD done sizes=\[(.*?)\] replicas_equal=(\w+) accuracy=([\d.]+) "
+                     r"batches=(\d+) residual_batches=\[(.*?)\]", out)
+    assert done is not None, out[-3000:]
+    assert [int(s) for s in done.group(1).split(",")] == [2, 3, 2], out[-3000:]
+    assert done.group(2) == "True", out[-3000:]
+    assert float(done.group(3)) > 0.8, out[-3000:]
+    batches = int(done.group(4))
+    assert batches >= 20 and [float(s) for s in done.group(5).split(",")] == [batches] * 2, out[-3000:]
+    joined = re.search(r"HVD joined rank=2 batches=(\d+)", out)
+    assert joined is not None and int(joined.group(1)) >= 5, out[-3000:]
+
+
+@HOROVODRUN
+@pytest.mark.timeout(400)
+def test_horovod_elastic_keras_fit_adds_and_removes_a_host(
+        tmp_path: Path, digits: str, emulated_hosts: Callable[..., EmulatedHosts]) -> None:  # noqa: F811
+    """``import plait.keras as hvd`` elastic ``model.fit`` on 3 emulated hosts: the discovery
+    script lists 2 hosts, then the third, then 2 again."""
+    hosts = emulated_hosts(3, slots=1)
+    names = hosts.hosts
+    two = f"{names[0]}:1\n{names[1]}:1\n"
+    out = horovod_elastic(tmp_path, "job_ckpt_hvd_elastic_keras.py", two,
+                          {"FT_DATA": digits, "HVD_ADD": "5", "HVD_REMOVE": "12", "HVD_EPOCHS": "5",
+                           "HVD_GROWN": f"{two}{names[2]}:1\n"},
+                          timeout=360, hosts=hosts)
+    check_keras_elastic(out)

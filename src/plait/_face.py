@@ -6,7 +6,8 @@ Framework-free: each face passes its framework name to :func:`init`.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import importlib
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import runtime
@@ -14,7 +15,8 @@ from .errors import ConfigError, invalid
 from .protocols import Communicator, Handle
 
 __all__ = [
-    "Adasum", "Average", "Face", "Max", "Min", "Product", "Sum", "reduce_tensor", "resolve_op",
+    "Adasum", "Average", "Face", "Max", "Min", "Product", "Sum", "elastic_attribute", "reduce_tensor",
+    "resolve_op",
 ]
 
 Average, Sum, Adasum, Min, Max, Product = "average", "sum", "adasum", "min", "max", "product"
@@ -47,6 +49,26 @@ def reduce_tensor(comm: Communicator, tensor: Any, op: str, name: str | None, co
         out = compressed_allreduce(comm, tensor, name or "allreduce", compression,
                                    average=op == Average)
     return out * postscale_factor if postscale_factor != 1.0 else out
+
+
+def elastic_attribute(face: str, module: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` giving a face Horovod's ``hvd.elastic``, imported on first use
+    (it needs horovod; ``import plait.torch`` must not import it).
+
+    Args:
+        face: the face module's name (for the error).
+        module: the module that ``elastic`` stands for.
+
+    Returns:
+        The ``__getattr__`` function.
+    """
+
+    def __getattr__(name: str) -> Any:  # noqa: N807 - the module hook
+        if name == "elastic":
+            return importlib.import_module(module)
+        raise AttributeError(f"module {face!r} has no attribute {name!r}")
+
+    return __getattr__
 
 
 def resolve_op(average: bool | None, op: str | None, default: str = Average) -> str:

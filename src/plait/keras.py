@@ -11,7 +11,7 @@ from typing import Any
 from plait.adapters import keras_callbacks as _cb
 from plait.adapters import tf_optim
 
-from ._face import Adasum, Average, Face, Max, Min, Product, Sum
+from ._face import Adasum, Average, Face, Max, Min, Product, Sum, elastic_attribute
 from .compression import Compression
 from .parallel.data import DEFAULT_BUCKET_MB
 from .protocols import Communicator
@@ -61,3 +61,7 @@ class callbacks:  # noqa: N801 - Horovod's module name, hvd.callbacks.X
                                    process_set: Communicator | None = None) -> Any:
         return _cb.LearningRateWarmupCallback(initial_lr, _F.comm(process_set), warmup_epochs,
                                               steps_per_epoch, verbose)
+
+
+#: ``hvd.elastic``: Horovod's elastic mode (``run``, the state objects), on first use.
+__getattr__ = elastic_attribute(__name__, "plait.collectives.horovod_elastic_tf")

@@ -9,7 +9,18 @@ from typing import Any
 
 from plait.adapters import tf_optim
 
-from ._face import Adasum, Average, Face, Max, Min, Product, Sum, reduce_tensor, resolve_op
+from ._face import (
+    Adasum,
+    Average,
+    Face,
+    Max,
+    Min,
+    Product,
+    Sum,
+    elastic_attribute,
+    reduce_tensor,
+    resolve_op,
+)
 from .compression import Compression
 from .parallel.data import DEFAULT_BUCKET_MB
 from .protocols import Communicator
@@ -59,3 +70,7 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's name
     return tf_optim.DistributedGradientTape(
         gradtape, _F.comm(process_set), op=op,
         compression=None if compression is Compression.none else compression, bucket_mb=bucket_mb)
+
+
+#: ``hvd.elastic``: Horovod's elastic mode (``run``, the state objects), on first use.
+__getattr__ = elastic_attribute(__name__, "plait.collectives.horovod_elastic_tf")

@@ -12,7 +12,18 @@ from typing import Any
 from plait.adapters import torch_optim
 from plait.adapters.torch import collective_function
 
-from ._face import Adasum, Average, Face, Max, Min, Product, Sum, reduce_tensor, resolve_op
+from ._face import (
+    Adasum,
+    Average,
+    Face,
+    Max,
+    Min,
+    Product,
+    Sum,
+    elastic_attribute,
+    reduce_tensor,
+    resolve_op,
+)
 from .compression import Compression
 from .parallel.data import DEFAULT_BUCKET_MB
 from .protocols import Communicator
@@ -132,3 +143,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         compression=None if compression is Compression.none else compression,
         backward_passes_per_step=backward_passes_per_step, op=op, bucket_mb=bucket_mb,
         gradient_predivide_factor=gradient_predivide_factor)
+
+
+#: ``hvd.elastic``: Horovod's elastic mode (``run``, the state objects), on first use.
+__getattr__ = elastic_attribute(__name__, "plait.collectives.horovod_elastic_torch")

@@ -1,6 +1,8 @@
-"""Horovod elastic torch training with plait's ElasticState (tests/test_fault_tolerance.py).
+"""Horovod elastic torch training through ``plait.torch`` (tests/test_fault_tolerance.py).
 
-A script run by ``horovodrun --host-discovery-script`` (not a pytest file). Rank 0
+A Horovod elastic script with ``import plait.torch as hvd``: plait's optimizer on the
+Horovod backend, ``hvd.elastic.TorchState`` carrying a plait state object, and
+``hvd.elastic.run``. Run by ``horovodrun --host-discovery-script`` (not a pytest file). Rank 0
 rewrites the discovery file (HVD_HOSTS) to add a slot at step HVD_ADD and remove it
 at step HVD_REMOVE; training continues across both changes and finishes.
 """
@@ -9,18 +11,19 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 
 def main() -> None:
-    import horovod.torch as hvd
     import numpy as np
     import torch
-    from plait.collectives.horovod_elastic import ElasticState, run
 
+    import plait.torch as hvd
     from plait.compression import Residual
 
     torch.set_num_threads(1)
-    hvd.init()
+    hvd.init()  # plait's world on the Horovod backend (started by horovodrun)
+    assert hvd.backend() == "horovod"
     steps = int(os.environ.get("HVD_STEPS", "14"))
     add_at, remove_at = int(os.environ["HVD_ADD"]), int(os.environ["HVD_REMOVE"])
     hosts_file = os.environ["HVD_HOSTS"]
@@ -33,10 +36,10 @@ def main() -> None:
                                    named_parameters=model.named_parameters())
     memory = Residual()
     memory.residuals["seen"] = torch.zeros(1)
-    state = ElasticState(model, opt, state={"ef": memory}, step=0, sizes=[])
+    state = hvd.elastic.TorchState(model, opt, state={"ef": memory}, step=0, sizes=[])
 
-    @run
-    def train(state: ElasticState) -> None:
+    @hvd.elastic.run
+    def train(state: Any) -> None:
         while state.step < steps:
             rank, size = hvd.rank(), hvd.size()
             if int(memory.residuals["seen"].item()) != state.step:  # also on a worker that just joined
