@@ -121,6 +121,34 @@ def test_interleaved_p2_m4_v2_compute_order() -> None:
     )
 
 
+def test_interleaved_p2_m4_v2_exact() -> None:
+    # Virtual stages 0, 2 on rank 0 and 1, 3 on rank 1 (the compute order above); stage 1
+    # hands to stage 2 back on rank 0; the last stage (3) sends no activation and receives
+    # no gradient, the first (0) receives no activation and sends no gradient.
+    assert interleaved_1f1b(2, 4, 2) == [
+        [
+            F(0, 0), SA(0, 0, 1), F(1, 0), SA(1, 0, 1),
+            RA(0, 2, 1), F(0, 2), SA(0, 2, 1), RA(1, 2, 1), F(1, 2), SA(1, 2, 1),
+            F(2, 0), SA(2, 0, 1), RG(0, 2, 1), B(0, 2), SG(0, 2, 1),
+            F(3, 0), SA(3, 0, 1), RG(1, 2, 1), B(1, 2), SG(1, 2, 1),
+            RA(2, 2, 1), F(2, 2), SA(2, 2, 1), RG(0, 0, 1), B(0, 0),
+            RA(3, 2, 1), F(3, 2), SA(3, 2, 1), RG(1, 0, 1), B(1, 0),
+            RG(2, 2, 1), B(2, 2), SG(2, 2, 1), RG(3, 2, 1), B(3, 2), SG(3, 2, 1),
+            RG(2, 0, 1), B(2, 0), RG(3, 0, 1), B(3, 0),
+        ],
+        [
+            RA(0, 1, 0), F(0, 1), SA(0, 1, 0), RA(1, 1, 0), F(1, 1), SA(1, 1, 0),
+            RA(0, 3, 0), F(0, 3), B(0, 3), SG(0, 3, 0),
+            RA(1, 3, 0), F(1, 3), B(1, 3), SG(1, 3, 0),
+            RA(2, 1, 0), F(2, 1), SA(2, 1, 0), RG(0, 1, 0), B(0, 1), SG(0, 1, 0),
+            RA(3, 1, 0), F(3, 1), SA(3, 1, 0), RG(1, 1, 0), B(1, 1), SG(1, 1, 0),
+            RA(2, 3, 0), F(2, 3), B(2, 3), SG(2, 3, 0),
+            RA(3, 3, 0), F(3, 3), B(3, 3), SG(3, 3, 0),
+            RG(2, 1, 0), B(2, 1), SG(2, 1, 0), RG(3, 1, 0), B(3, 1), SG(3, 1, 0),
+        ],
+    ]
+
+
 def test_interleaved_wraps_from_last_rank_to_first() -> None:
     sched = interleaved_1f1b(2, 2, 2)
     # virtual stage 1 (rank 1, chunk 0) sends to stage 2 (rank 0, chunk 1)
