@@ -29,6 +29,18 @@ def test_import_plait_imports_no_framework_mpi_or_horovod():
     assert out.strip() == "[]"
 
 
+def test_readme_compression_spelling_works_after_import_plait_alone():
+    out = run_python(
+        "import sys, plait; "
+        "dp = plait.DataParallel(compression=plait.compression.TopK(0.1), "
+        "memory=plait.compression.Residual()); "
+        "print(type(dp.compression).__name__, type(dp.memory).__name__, "
+        "plait.compression.FP16 is plait.compression.cast.FP16, "
+        "sorted(m for m in ('torch', 'tensorflow', 'keras', 'mpi4py', 'horovod') if m in sys.modules))"
+    )
+    assert out.split() == ["TopK", "Residual", "True", "[]"]
+
+
 def test_wheel_contains_every_package(tmp_path: Path):
     subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
                     "-w", str(tmp_path), str(ROOT)], check=True, timeout=300, capture_output=True)

@@ -1,9 +1,11 @@
 """plait: distributed training for PyTorch and TensorFlow/Keras over Horovod or MPI.
 
 ``import plait`` imports no framework, no mpi4py and no horovod; they are
-imported when a communicator or adapter needs them.
+imported when a communicator or adapter needs them. ``plait.compression``
+(compressors and error-feedback memories) is reachable after ``import plait``.
 """
 
+from . import compression
 from .checkpoint import Checkpoint, CheckpointError
 from .config import BACKENDS, Config
 from .errors import (
@@ -46,6 +48,7 @@ __all__ = [
     "TensorParallel",
     "VocabParallel",
     "__version__",
+    "compression",
     "init",
     "is_initialized",
     "shutdown",
