@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from plait.collectives.base import Done
 
+import plait
 from plait.compression import (
     BF16,
     FP16,
@@ -30,6 +31,7 @@ from plait.compression import (
     resolve_memory,
 )
 from plait.errors import ConfigError, PlaitTypeError
+from plait.parallel.data import GradientReducer, GradSpec
 
 FRAMEWORKS = ["numpy", "torch", "tensorflow"]
 
@@ -73,6 +75,9 @@ class SelfComm:
         return t
 
     def allgather_async(self, t: Any, name: str | None = None) -> Done:
+        return Done(t)
+
+    def allreduce_async(self, t: Any, op: str = "average", name: str | None = None) -> Done:
         return Done(t)
 
 
@@ -324,3 +329,72 @@ def test_16_bit_tensors_decode_to_their_own_dtype(fw, kind, dtype):
     payload, ctx = compressor.compress(x, "h")
     out = compressor.decompress(payload, ctx)
     assert ops.dtype_name(out) == dtype and ops.shape(out) == (6, 5)
+
+
+# -- compression=/memory= at the data-parallel entry points (no processes) ---------------------
+@pytest.mark.parametrize(("kwargs", "error", "match"), [
+    ({"compression": "zip"}, ConfigError, r"compression='zip'.*\['bf16', 'fp16', 'none'\]"),
+    ({"compression": 0.01}, PlaitTypeError, r"compression=0\.01.*Compressor object"),
+    ({"compression": TopK}, PlaitTypeError, r"compression=<class .*TopK'>.*not the class"),
+    ({"compression": "fp16", "memory": "ef"}, ConfigError, r"memory='ef'.*\['none', 'residual'\]"),
+    ({"compression": "fp16", "memory": Residual}, PlaitTypeError, r"memory=<class .*not the class"),
+    ({"compression": "fp16", "memory": 1}, PlaitTypeError, r"memory=1.*Memory object"),
+    ({"memory": Residual()}, ConfigError, r"memory=Residual\(.*\).*compression=None"),
+    ({"memory": "residual"}, ConfigError, r"memory='residual'.*compression=None"),
+    ({"compression": NoneCompressor(), "memory": Residual()}, ConfigError,
+     r"memory=Residual.*compression=NoneCompressor\(\)"),
+    ({"compression": "none", "memory": "residual"}, ConfigError, r"memory='residual'.*compression='none'"),
+])
+def test_data_parallel_rejects_bad_compression_settings(kwargs, error, match):
+    with pytest.raises(error, match=match) as info:
+        plait.DataParallel(**kwargs)
+    assert "expected" in str(info.value)
+
+
+def test_data_parallel_resolves_names_to_private_objects():
+    dp = plait.DataParallel(compression="FP16", memory="residual")
+    assert isinstance(dp.compression, FP16) and dp.compression is not Compression.fp16
+    assert isinstance(dp.memory, Residual)
+    shared = plait.DataParallel(compression=Compression.bf16)
+    assert isinstance(shared.compression, BF16) and shared.compression is not Compression.bf16
+    assert Compression.bf16.stats is None  # counting into a DataParallel never touches the shared one
+    topk, ef = TopK(0.1), Residual()
+    dp = plait.DataParallel(compression=topk, memory=ef)
+    assert dp.compression is topk and dp.memory is ef and topk.stats is dp.wire_stats
+    mine = WireStats()
+    dp = plait.DataParallel(compression=TopK(0.1).count_into(mine))
+    assert dp.wire_stats is mine
+    assert plait.DataParallel(compression="none", memory="none").compression is None
+    assert plait.DataParallel(memory=NoMemory()).memory is not None
+
+
+def test_data_parallel_optimizer_revalidates_reassigned_settings():
+    dp = plait.DataParallel(compression=TopK(0.1))
+    dp.compression = "zip"
+    with pytest.raises(ConfigError, match="compression='zip'"):
+        dp.optimizer(object())  # raises before any framework or communicator is touched
+    dp.compression, dp.memory = None, Residual()
+    with pytest.raises(ConfigError, match="memory=Residual"):
+        dp.optimizer(object())
+
+
+def test_async_tape_is_an_error_not_a_synchronous_tape():
+    with pytest.raises(ConfigError, match=r"mode='async'.*'sync' for DataParallel.tape\(\)"):
+        plait.DataParallel(mode="async", algorithm="local_sgd").tape(object())
+
+
+def test_gradient_reducer_validates_and_counts_plain_and_compressed_traffic():
+    specs = [GradSpec("w", (10, 10), "float32"), GradSpec("b", (10,), "float32")]
+    with pytest.raises(ConfigError, match="memory='residual'"):
+        GradientReducer(SelfComm(), specs, memory="residual")
+    with pytest.raises(ConfigError, match="op='max'.*'average' or 'sum'"):
+        GradientReducer(SelfComm(), specs, op="max", compression=FP16())
+    for compressor, sent in [(NoneCompressor(), 440), (FP16(), 220), (TopK(0.1), 11 * 8)]:
+        stats = WireStats()
+        reducer = GradientReducer(SelfComm(), specs, compression=compressor.count_into(stats))
+        for step in range(2):
+            reducer.ready("b", normal((10,), seed=step))
+            reducer.ready("w", normal((10, 10), seed=step))
+            reducer.finish(lambda spec: None)
+        assert [(t.sent, t.raw, t.calls) for t in stats.steps] == [(sent, 440, 1)] * 2, compressor
+        assert stats.last_step.sent == sent and stats.ratio == pytest.approx(440 / sent)

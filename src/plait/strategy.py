@@ -12,6 +12,7 @@ import importlib
 from typing import Any
 
 from . import runtime
+from .compression import NoneCompressor, WireStats, check_settings
 from .errors import invalid
 from .parallel.data import DEFAULT_BUCKET_MB
 from .protocols import Communicator
@@ -38,8 +39,10 @@ class DataParallel:
 
     Args:
         backend: "mpi", "horovod" or "auto" (used when ``comm`` is not given).
-        compression: a compressor (``plait.compression``) or None.
-        memory: its error-feedback memory (e.g. ``plait.compression.Residual()``), or None.
+        compression: a compressor (``plait.compression``), one of
+            ``plait.compression.COMPRESSOR_NAMES`` ("none", "fp16", "bf16") or None.
+        memory: its error-feedback memory (e.g. ``plait.compression.Residual()`` or
+            "residual"), or None; it needs a lossy ``compression``.
         mode: "sync" (allreduce every step) or "async" (see ``plait.parallel.asyncdp``).
         op: "average" (default) or "sum" (or "adasum" on the Horovod backend).
         bucket_mb: fusion bucket size in MiB.
@@ -47,8 +50,20 @@ class DataParallel:
         comm: an existing communicator (e.g. the data axis of a :class:`Mesh`).
         **mode_options: options of the async algorithm.
 
+    Attributes:
+        wire_stats: a :class:`~plait.compression.WireStats` counting the bytes the
+            synchronous gradient reductions hand to the communicator (``sent``) next to
+            their uncompressed size (``raw``), compressed or not: ``wire_stats.last_step``
+            is the last optimizer step's traffic, ``wire_stats.ratio`` the achieved
+            compression ratio. Every optimizer step closes a step. Reductions inside
+            ``tf.function`` (``model.fit`` without ``run_eagerly``) are not counted. The
+            compressor given counts into it (if it already counted into a WireStats of
+            its own, ``wire_stats`` is that one).
+
     Raises:
-        ConfigError: for an unknown mode or bad option.
+        ConfigError: for an unknown mode, a bad option, an unknown compressor or
+            memory name, or a memory without a lossy compressor.
+        PlaitTypeError: for a ``compression`` or ``memory`` of the wrong type.
     """
 
     def __init__(self, backend: str | None = None, *, compression: Any = None, memory: Any = None,
@@ -61,6 +76,9 @@ class DataParallel:
             raise invalid("options", sorted(mode_options), "no extra options with mode='sync'")
         self.backend, self.mode, self.op = backend, mode, op
         self.compression, self.memory = compression, memory
+        self.wire_stats = WireStats()
+        self._plain = NoneCompressor().count_into(self.wire_stats)  # counts uncompressed traffic
+        self._settings()
         self.bucket_mb, self.passes = bucket_mb, backward_passes_per_step
         self.mode_options = mode_options
         self._comm = comm
@@ -75,29 +93,73 @@ class DataParallel:
     def _async(self) -> Any:
         return importlib.import_module("plait.parallel.asyncdp")
 
+    def _settings(self) -> tuple[Any, Any]:
+        """Validate ``compression``/``memory`` (again: they may have been reassigned).
+
+        Returns:
+            The compressor to hand to the reducers, counting into ``wire_stats`` (a
+            :class:`NoneCompressor` for no compression), and the memory.
+        """
+        self.compression, self.memory = check_settings(self.compression, self.memory)
+        wire = self.compression if self.compression is not None else self._plain
+        if wire.stats is None:
+            wire.count_into(self.wire_stats)
+        self.wire_stats = wire.stats
+        return wire, self.memory
+
     def optimizer(self, optimizer: Any, named_parameters: Any = None) -> Any:
-        """The distributed form of a torch or Keras 3 optimizer."""
+        """The distributed form of a torch or Keras 3 optimizer.
+
+        Args:
+            optimizer: a ``torch.optim.Optimizer`` or a ``keras.optimizers.Optimizer``.
+            named_parameters: ``model.named_parameters()`` (torch; names the collectives).
+
+        Returns:
+            The distributed optimizer (synchronous, or that of the async algorithm).
+
+        Raises:
+            ConfigError: for a bad ``compression``/``memory`` setting or optimizer.
+            PlaitTypeError: for a ``compression``/``memory`` of the wrong type.
+        """
+        compression, memory = self._settings()
         if self.mode == "async":
             return self._async().wrap_optimizer(self, optimizer, named_parameters)
         if _framework_of(optimizer) == "torch":
             from plait.adapters.torch_optim import distributed_optimizer
 
             return distributed_optimizer(
-                optimizer, self.comm, named_parameters, compression=self.compression,
-                memory=self.memory, backward_passes_per_step=self.passes, op=self.op,
+                optimizer, self.comm, named_parameters, compression=compression,
+                memory=memory, backward_passes_per_step=self.passes, op=self.op,
                 bucket_mb=self.bucket_mb)
         from plait.adapters.tf_optim import distributed_keras_optimizer
 
         return distributed_keras_optimizer(optimizer, self.comm, op=self.op,
-                                           compression=self.compression, memory=self.memory,
+                                           compression=compression, memory=memory,
                                            bucket_mb=self.bucket_mb)
 
     def tape(self, tape: Any) -> Any:
-        """A ``tf.GradientTape`` whose ``gradient()`` averages across ranks."""
+        """A ``tf.GradientTape`` whose ``gradient()`` averages across ranks.
+
+        Args:
+            tape: the ``tf.GradientTape`` that records the forward pass.
+
+        Returns:
+            A distributed gradient tape.
+
+        Raises:
+            ConfigError: with ``mode="async"`` (the asynchronous algorithms step through
+                :meth:`optimizer`; a tape would silently average synchronously), or for a
+                bad ``compression``/``memory`` setting.
+        """
+        if self.mode == "async":
+            raise invalid("mode", self.mode,
+                          "'sync' for DataParallel.tape(); with mode='async' use a plain "
+                          "tf.GradientTape and dp.optimizer(keras_optimizer).apply_gradients(...)")
+        compression, memory = self._settings()
         from plait.adapters.tf_optim import DistributedGradientTape
 
-        return DistributedGradientTape(tape, self.comm, op=self.op, compression=self.compression,
-                                       memory=self.memory, bucket_mb=self.bucket_mb)
+        return DistributedGradientTape(tape, self.comm, op=self.op, compression=compression,
+                                       memory=memory, bucket_mb=self.bucket_mb)
 
     def broadcast(self, model: Any, optimizer: Any = None, root: int = 0) -> None:
         """Make every rank's model (and optimizer state) equal ``root``'s."""

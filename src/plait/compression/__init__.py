@@ -8,7 +8,8 @@
   :class:`SignSGD`, :class:`EFSignSGD`, :class:`OneBit`; :class:`PowerSGD`.
 * :func:`compressed_allreduce` -- compensate, compress, update, send, decode.
 * :class:`WireStats` -- bytes sent vs. uncompressed bytes.
-* :class:`Compression` -- Horovod's names (``Compression.fp16``).
+* :class:`Compression` -- Horovod's names (``Compression.fp16``); :func:`check_settings`
+  validates a ``compression=``/``memory=`` pair.
 
 Importing this package imports no framework and no communication library.
 """
@@ -17,7 +18,14 @@ from .allreduce import compressed_allreduce, exchange_payload
 from .base import Compressor, Context, Exchanger
 from .cast import BF16, FP16, NoneCompressor
 from .memory import Memory, NoMemory, Residual
-from .namespace import Compression, resolve_compressor, resolve_memory
+from .namespace import (
+    COMPRESSOR_NAMES,
+    MEMORY_NAMES,
+    Compression,
+    check_settings,
+    resolve_compressor,
+    resolve_memory,
+)
 from .powersgd import PowerSGD
 from .quantize import QSGD, TernGrad
 from .sign import EFSignSGD, OneBit, SignSGD
@@ -26,7 +34,9 @@ from .stats import Traffic, WireStats
 
 __all__ = [
     "BF16",
+    "COMPRESSOR_NAMES",
     "FP16",
+    "MEMORY_NAMES",
     "QSGD",
     "Compression",
     "Compressor",
@@ -46,6 +56,7 @@ __all__ = [
     "TopK",
     "Traffic",
     "WireStats",
+    "check_settings",
     "compressed_allreduce",
     "exchange_payload",
     "resolve_compressor",

@@ -39,6 +39,9 @@ class Traffic:
 class WireStats:
     """Traffic per call, per step, per tensor name and in total, on this rank.
 
+    A data-parallel optimizer closes a step (:meth:`end_step`) at every optimizer
+    step, so ``steps`` holds the bytes of each step.
+
     ``sent`` counts the payload bytes this rank contributes to each collective
     (an allgather's input, not its output), so it measures what compression
     saves, not what a particular allreduce algorithm moves. Horovod 0.28's CPU
@@ -88,6 +91,18 @@ class WireStats:
     def ratio(self) -> float:
         """Achieved compression ratio over everything counted."""
         return self.total.ratio
+
+    @property
+    def last_step(self) -> Traffic:
+        """The traffic of the most recently closed step (empty before the first)."""
+        return self.steps[-1] if self.steps else Traffic()
+
+    def summary(self) -> dict[str, float]:
+        """A JSON-friendly summary: totals, closed steps, the last step and the ratio."""
+        last = self.last_step
+        return {"sent": self.total.sent, "raw": self.total.raw, "calls": self.total.calls,
+                "steps": len(self.steps), "last_step_sent": last.sent, "last_step_raw": last.raw,
+                "ratio": self.ratio}
 
     def reset(self) -> None:
         """Forget everything counted."""

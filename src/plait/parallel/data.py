@@ -18,6 +18,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from plait.adapters import ops_for
+from plait.compression import (
+    NoMemory,
+    NoneCompressor,
+    WireStats,
+    check_settings,
+    compressed_allreduce,
+)
+from plait.compression.base import nbytes
 from plait.errors import invalid
 from plait.protocols import Communicator, Handle, Tensor
 
@@ -100,12 +108,21 @@ class GradientReducer:
         specs: every gradient, in registration order (same on all ranks).
         op: "average" or "sum" (or any reduction the backend supports).
         bucket_mb: fusion bucket size in MiB.
-        compression: a compressor from :mod:`plait.compression`, or None.
-        memory: its error-feedback memory, or None.
+        compression: a compressor from :mod:`plait.compression`, one of its names
+            ("fp16", ...), or None.
+        memory: its error-feedback memory (or "residual"), or None.
         prefix: prefix of the names given to the collectives.
 
+    Traffic is counted into ``compression.stats`` when the compressor has one
+    (:meth:`~plait.compression.Compressor.count_into`; a :class:`NoneCompressor`
+    with a counter counts plain allreduces), and :meth:`finish` closes the step
+    there. Reductions inside ``tf.function`` are not counted.
+
     Raises:
-        ConfigError: for a negative bucket size or duplicate gradient names.
+        ConfigError: for a negative bucket size, duplicate gradient names, a bad
+            ``compression``/``memory`` pair, or a compressor with an op other than
+            "average" or "sum".
+        PlaitTypeError: for a ``compression``/``memory`` of the wrong type.
     """
 
     def __init__(self, comm: Communicator, specs: Sequence[GradSpec], *, op: str = "average",
@@ -117,8 +134,16 @@ class GradientReducer:
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
             raise invalid("named_parameters", dup, "unique parameter names")
+        compression, memory = check_settings(compression, memory)
         self.comm, self.op, self.prefix = comm, op, prefix
         self.compression, self.memory = compression, memory
+        self.stats: WireStats | None = getattr(compression, "stats", None)
+        # no compressor (or NoneCompressor without feedback): a plain asynchronous allreduce
+        self._plain = compression is None or (
+            type(compression) is NoneCompressor and (memory is None or isinstance(memory, NoMemory)))
+        if not self._plain and op not in ("average", "sum"):
+            raise invalid("op", op, f"'average' or 'sum' with compression={compression!r}")
+        self._counted = False
         if compression is not None and hasattr(compression, "exchange"):
             bucket_mb = 0  # e.g. PowerSGD: factorises each gradient in its own shape
         self.buckets = [Bucket(i, b) for i, b in enumerate(plan_buckets(specs, bucket_mb * 2**20))]
@@ -151,17 +176,21 @@ class GradientReducer:
         else:
             fused = ops.concat([ops.reshape(bucket.grads[s.name], [-1]) for s in bucket.specs])
         name = f"{self.prefix}.{bucket.index}"
-        if self.compression is None:
+        self._counted = self.stats is not None and not ops.is_symbolic(fused)
+        if self._plain:
             bucket.handle = self.comm.allreduce_async(fused, op=self.op, name=name)
+            if self.stats is not None and self._counted:
+                size = nbytes(fused)
+                self.stats.record(name, size, size)
         else:
-            from plait.compression import compressed_allreduce
-
             bucket.compressed = compressed_allreduce(
                 self.comm, fused, name, self.compression, self.memory,
                 average=self.op == "average")
 
     def finish(self, missing: Callable[[GradSpec], Tensor]) -> dict[str, Tensor]:
         """Start what is left (``missing(spec)`` supplies absent gradients), wait for all.
+
+        Closes the step of the traffic counter, if there is one.
 
         Returns:
             The reduced gradient of every name, shaped like its spec.
@@ -182,6 +211,9 @@ class GradientReducer:
             bucket.grads.clear()
             bucket.handle = bucket.compressed = None
         self._next = 0
+        if self.stats is not None and self._counted:
+            self.stats.end_step()
+            self._counted = False
         return out
 
     @property
