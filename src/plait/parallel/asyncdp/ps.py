@@ -98,15 +98,17 @@ class ParameterServer(AsyncAlgorithm):
             self.comm.send(np.array([UPDATE, t, self._versions[j], 0], np.int64), j, _PUSH_TAG)
             self.comm.send(np.ascontiguousarray(grads[lo:hi]), j, _PUSH_TAG + 1)
         params = replica.get_params()
+        stale, held = 0, 0
         with self.metrics.waiting():
             for j, (lo, hi) in enumerate(self._bounds):
                 head = np.asarray(self.comm.recv(np.zeros(4, np.int64), j, _REPLY_TAG))
                 params[lo:hi] = np.asarray(self.comm.recv(np.zeros(hi - lo, np.float32), j,
                                                           _REPLY_TAG + 1))
                 self._versions[j] = int(head[1])
-                if j == 0:
-                    self.metrics.staleness.append(int(head[2]))
-                    self.metrics.blocked_steps += int(head[3])
+                stale, held = max(stale, int(head[2])), max(held, int(head[3]))
+        # the step's update is as stale as its stalest shard, and held if any server held it
+        self.metrics.staleness.append(stale)
+        self.metrics.blocked_steps += held
         replica.set_params(params)
         self.metrics.steps += 1
         self.metrics.messages += 2 * self.servers
@@ -131,7 +133,9 @@ class ParameterServer(AsyncAlgorithm):
         held: set[int] = set()
         version = 0
         while active or pending:
-            for msg in box.take(True, "worker pushes"):
+            with self.metrics.waiting():
+                arrived = box.take(True, "worker pushes")
+            for msg in arrived:
                 if int(msg[1][0]) == DONE:
                     active.discard(msg[0])
                 else:
