@@ -160,6 +160,10 @@ class CommunicatorBase:
     def broadcast_async(self, tensor: Tensor, root: int = 0, name: str | None = None) -> Handle:
         raise NotImplementedError
 
+    def alltoall(self, tensor: Tensor, splits: Sequence[int] | None = None,
+                 name: str | None = None) -> tuple[Tensor, list[int]]:
+        raise NotImplementedError
+
     # -- sync forms: op_async(...).wait() --------------------------------------------------
     def allreduce(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Tensor:
         """Reduce ``tensor`` over all ranks; every rank gets the result."""
@@ -183,16 +187,61 @@ class CommunicatorBase:
         ]
         return [h.wait() for h in handles]
 
+    def _graph_alltoall(self, ops: TensorOps, tensor: Tensor, splits: Any,
+                        name: str | None) -> tuple[Tensor, Tensor]:
+        """Alltoall of a symbolic (``tf.function``) tensor as two host ops: the data,
+        then the received splits (an int32 tensor of the group size) that the first
+        op found. ``splits`` may be a list or a tensor of the same framework."""
+        received: list[np.ndarray] = []
+        inputs = [tensor] if splits is None or not ops.owns(splits) else [tensor, splits]
+
+        def move(a: np.ndarray, s: np.ndarray | None = None) -> np.ndarray:
+            out, recv = self.alltoall(a, splits if s is None else [int(v) for v in s], name)
+            received[:] = [np.asarray(recv, dtype=np.int32)]
+            return np.asarray(out)
+
+        out = ops.host_call(move, inputs, tensor, same_shape=False)
+        like = ops.zeros([self.size], "int32", tensor)
+        # ``out`` as input orders the second op after the first
+        recv = ops.host_call(lambda _: received[0], [out], like)
+        return out, recv
+
     # -- objects -----------------------------------------------------------------------------
     def broadcast_object(self, obj: Any, root: int = 0) -> Any:
-        """Send a picklable object from ``root`` to every rank (trusted: same job only)."""
+        """Send a picklable object from ``root`` to every rank (trusted: same job only).
+
+        Args:
+            obj: the object (only ``root``'s is used).
+            root: the sending rank.
+
+        Returns:
+            ``root``'s object, on every rank.
+
+        Raises:
+            ConfigError: for a root outside the group.
+            MismatchError: when other ranks make a different call.
+            CollectiveTimeoutError: when other ranks do not arrive in time.
+        """
         self._validate_rank("root", root)
+        self._verify(Call("broadcast_object", (), "object", root=root))
         data = np.frombuffer(pickle.dumps(obj), dtype=np.uint8) if self.rank == root else None
         out = self._raw_bcast_bytes(data, root)
         return obj if self.rank == root else pickle.loads(out.tobytes())  # noqa: S301
 
     def allgather_object(self, obj: Any) -> list[Any]:
-        """Gather one picklable object from every rank, in rank order."""
+        """Gather one picklable object from every rank, in rank order.
+
+        Args:
+            obj: this rank's object.
+
+        Returns:
+            Every rank's object, in rank order.
+
+        Raises:
+            MismatchError: when other ranks make a different call.
+            CollectiveTimeoutError: when other ranks do not arrive in time.
+        """
+        self._verify(Call("allgather_object", (), "object"))
         mine = np.frombuffer(pickle.dumps(obj), dtype=np.uint8)
         sizes = self._raw_allgather_bytes(np.array([mine.size], dtype=np.int64).view(np.uint8))
         lengths = sizes.view(np.int64)

@@ -53,7 +53,8 @@ class Call:
 
     def describe(self) -> str:
         """Human-readable form, for error messages."""
-        parts = [f"shape={self.shape}", f"dtype={self.dtype}"]
+        parts = [] if self.dtype in ("none", "object") else [f"shape={self.shape}",
+                                                              f"dtype={self.dtype}"]
         if self.op is not None:
             parts.append(f"op={self.op}")
         if self.root is not None:

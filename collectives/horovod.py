@@ -255,11 +255,12 @@ class HorovodCommunicator(CommunicatorBase):
         with self._eager():
             return self._raw_min_eager(values)
 
-    def _raw_min_eager(self, values: np.ndarray) -> np.ndarray:
+    def _bounded(self, fn: str, *args: Any, **kwargs: Any) -> np.ndarray:
+        """Run the library's ``fn`` (allreduce, allgather, broadcast) on eager host
+        tensors, raising :class:`CollectiveTimeoutError` after ``self.timeout``."""
         lib, hvd = self._w.ops, self._hvd
-        t = _from_numpy(lib, values)
         if self.framework == "torch":
-            h = hvd.allreduce_async(t, op=hvd.Min, name=self._name("check"), process_set=self._set)
+            h = getattr(hvd, f"{fn}_async")(*args, **kwargs)
             deadline = time.monotonic() + self.timeout
             while not hvd.poll(h):
                 if time.monotonic() > deadline:
@@ -268,24 +269,26 @@ class HorovodCommunicator(CommunicatorBase):
             return np.asarray(lib.to_numpy(hvd.synchronize(h)))
         # horovod.tensorflow has no handles: wait on a worker thread (one, so the
         # order of ops is kept even behind an op abandoned after a timeout)
-        name = self._name("check")
-        future = self._w.worker().submit(hvd.allreduce, t, op=hvd.Min, name=name,
-                                         process_set=self._set)
+        future = self._w.worker().submit(getattr(hvd, fn), *args, **kwargs)
         try:
             return np.asarray(lib.to_numpy(future.result(timeout=self.timeout)))
         except concurrent.futures.TimeoutError:
             raise self._timed_out() from None
+
+    def _raw_min_eager(self, values: np.ndarray) -> np.ndarray:
+        t = _from_numpy(self._w.ops, values)
+        return self._bounded("allreduce", t, op=self._hvd.Min, name=self._name("check"),
+                             process_set=self._set)
 
     def _raw_allgather_bytes(self, data: np.ndarray) -> np.ndarray:
         with self._eager():
             return self._raw_allgather_eager(data)
 
     def _raw_allgather_eager(self, data: np.ndarray) -> np.ndarray:
-        lib = self._w.ops
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        out = self._hvd.allgather(_from_numpy(lib, flat), name=self._name("bytes"),
-                                  process_set=self._set)
-        return np.asarray(lib.to_numpy(out)).view(np.uint8)
+        out = self._bounded("allgather", _from_numpy(self._w.ops, flat), name=self._name("bytes"),
+                            process_set=self._set)
+        return out.view(np.uint8)
 
     def _raw_bcast_bytes(self, data: np.ndarray | None, root: int) -> np.ndarray:
         with self._eager():
@@ -294,13 +297,13 @@ class HorovodCommunicator(CommunicatorBase):
     def _raw_bcast_eager(self, data: np.ndarray | None, root: int) -> np.ndarray:
         lib = self._w.ops
         n = np.array([0 if data is None else data.size], dtype=np.int64)
-        n = lib.to_numpy(self._hvd.broadcast(_from_numpy(lib, n), self._root(root),
-                                             name=self._name("bytes.n"), process_set=self._set))
+        n = self._bounded("broadcast", _from_numpy(lib, n), self._root(root),
+                          name=self._name("bytes.n"), process_set=self._set)
         buf = np.ascontiguousarray(data).view(np.uint8) if data is not None else np.zeros(
             int(n[0]), np.uint8)
-        out = self._hvd.broadcast(_from_numpy(lib, buf), self._root(root), name=self._name("bytes"),
-                                  process_set=self._set)
-        return np.asarray(lib.to_numpy(out)).view(np.uint8)
+        out = self._bounded("broadcast", _from_numpy(lib, buf), self._root(root),
+                            name=self._name("bytes"), process_set=self._set)
+        return out.view(np.uint8)
 
     def _root(self, root: int) -> int:
         """Horovod names broadcast roots by their global rank."""
@@ -363,8 +366,11 @@ class HorovodCommunicator(CommunicatorBase):
 
     def alltoall(self, tensor: Tensor, splits: Sequence[int] | None = None,
                  name: str | None = None) -> tuple[Tensor, list[int]]:
-        """Send slice ``i`` of the first dimension to rank ``i``; return what arrived and its splits."""
+        """Send slice ``i`` of the first dimension to rank ``i``; return what arrived and its
+        splits (inside ``tf.function`` the received splits are an int32 tensor)."""
         ops = self._ops(tensor, "alltoall")
+        if self._host_graph(ops, tensor):
+            return self._graph_alltoall(ops, tensor, splits, name)
         dtype = ops.dtype_name(tensor)
         shape = ops.shape(tensor)
         if not shape:
@@ -376,6 +382,8 @@ class HorovodCommunicator(CommunicatorBase):
         lib_splits = _from_numpy(self._w.ops, np.array(send, dtype=np.int32))
         out, received = self._hvd.alltoall(t, splits=lib_splits, name=self._name("alltoall", name),
                                            process_set=self._set)
+        if ops.is_symbolic(tensor):  # inside tf.function, with horovod.tensorflow
+            return self._back(ops, out, tensor, dtype, carry), received
         recv = [int(r) for r in np.asarray(self._w.ops.to_numpy(received)).reshape(-1)]
         return self._back(ops, out, tensor, dtype, carry), recv
 
@@ -386,6 +394,9 @@ class HorovodCommunicator(CommunicatorBase):
         self._validate_op(op, dtype)
         if op not in ("sum", "average"):
             raise invalid("op", op, "'sum' or 'average' for reducescatter on the horovod backend")
+        if self._host_graph(ops, tensor):
+            return (self._graph(ops, tensor, lambda a: self.reducescatter(a, op, name), False)
+                    or Done(None)).wait()
         shape = ops.shape(tensor)
         if not shape:
             raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
@@ -397,8 +408,19 @@ class HorovodCommunicator(CommunicatorBase):
         return self._back(ops, out, tensor, dtype, carry)
 
     def barrier(self) -> None:
-        """Wait until every rank of the group arrived."""
-        self._raw_min(np.zeros(1, dtype=np.int64))
+        """Wait until every rank of the group arrived.
+
+        With the agreement check on, the check itself is the barrier, so a rank
+        calling another collective meanwhile raises on every rank.
+
+        Raises:
+            MismatchError: when another rank makes a different call.
+            CollectiveTimeoutError: when the others do not arrive within the timeout.
+        """
+        if self.check and self.size > 1:
+            self._verify(Call("barrier", (), "none"))
+        else:
+            self._raw_min(np.zeros(1, dtype=np.int64))
 
     # -- point to point (through MPI) ------------------------------------------------------
     def _p2p(self) -> Any:

@@ -19,7 +19,7 @@ from plait.adapters.numpy import bf16_to_f32, f32_to_bf16
 from plait.errors import CollectiveTimeoutError, MismatchError, invalid
 from plait.protocols import Handle, Tensor
 
-from .base import CommunicatorBase, Pending, check_splits, floating, reducescatter_counts
+from .base import CommunicatorBase, Done, Pending, check_splits, floating, reducescatter_counts
 from .check import Call
 
 __all__ = ["MPICommunicator", "thread_level"]
@@ -63,6 +63,18 @@ def _flat_bytes(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
+#: Tags of the "who is waiting?" exchange after a timeout (the top of the tag range,
+#: which user point-to-point messages are unlikely to use).
+_ASK_TAG = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
+_ANSWER_TAG = _ASK_TAG - 1
+#: How long a timed-out rank listens for the others' answers.
+_ASK_GRACE_S = 2.0
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
+
+
 class MPICommunicator(CommunicatorBase):
     """:class:`~plait.protocols.Communicator` over an mpi4py communicator.
 
@@ -82,26 +94,109 @@ class MPICommunicator(CommunicatorBase):
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self._half_ops: dict[tuple[str, str], Any] = {} if _ops_cache is None else _ops_cache
+        self._calls = 0  # bounded collective waits so far (the "#k" of the timeout report)
+        self._call: Call | None = None  # the call being checked, named on a timeout
+        self._asked = 0  # timeouts reported so far (the id of each "who is waiting?")
+        self._answers: list[Any] = []  # answers in flight
         self._topology()
 
     # -- raw primitives ------------------------------------------------------------
-    def _wait_until(self, ready: Callable[[], bool], timed_out: Callable[[], str]) -> None:
+    def _wait_until(self, ready: Callable[[], bool], timed_out: Callable[[], str],
+                    seq: int = -1) -> None:
         """Poll ``ready`` (which drives MPI progress) until it is true, sleeping a
-        little between polls once it is slow; raise after ``self.timeout`` seconds."""
+        little between polls once it is slow; raise after ``self.timeout`` seconds.
+
+        Once slow, it also answers other ranks that timed out and ask who is waiting
+        (saying "collective #seq", or -1 outside a collective)."""
         deadline = time.monotonic() + self.timeout
         spins = 0
+        answer_at = 0.0
         while not ready():
             spins += 1
             if spins > 200:
-                if time.monotonic() > deadline:
+                now = time.monotonic()
+                if now > deadline:
                     raise CollectiveTimeoutError(f"{self!r}: {timed_out()}")
+                if now > answer_at:
+                    self._answer(seq)
+                    answer_at = now + 0.05
                 time.sleep(min(1e-3, 1e-6 * spins))
 
     def _poll(self, req: Any, what: str) -> None:
         """Wait for ``req``, raising if the group does not complete it in time."""
-        self._wait_until(req.Test, lambda: (
-            f"waited {self.timeout:g}s for the other ranks to reach {what}; "
-            "some rank is dead, stuck or calling something else"))
+        self._calls += 1
+        seq = self._calls
+        self._wait_until(req.Test, lambda: self._timeout_report(what, seq), seq)
+
+    def _verify(self, call: Call) -> None:
+        self._call = call
+        super()._verify(call)
+
+    # -- timeout report ----------------------------------------------------------------
+    def _answer(self, seq: int) -> dict[int, int]:
+        """Answer every pending "who is waiting?" with ``seq``; return the askers'
+        own positions (they are waiting too)."""
+        askers: dict[int, int] = {}
+        status = MPI.Status()
+        while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_ASK_TAG, status=status):
+            source = status.Get_source()
+            ask = np.empty(2, dtype=np.int64)
+            self.comm.Recv(ask, source=source, tag=_ASK_TAG)
+            askers[source] = int(ask[1])
+            reply = np.array([ask[0], seq], dtype=np.int64)
+            self._answers.append((self.comm.Isend(reply, dest=source, tag=_ANSWER_TAG), reply))
+        self._answers = [(r, b) for r, b in self._answers if not r.Test()]
+        return askers
+
+    def _who_waits(self, seq: int) -> dict[int, int]:
+        """Ask every other rank where it waits; return ``{rank: its collective number
+        (-1: outside a collective)}`` for those that answered within the grace time."""
+        self._asked += 1
+        ask = np.array([self._asked, seq], dtype=np.int64)
+        for peer in range(self.size):
+            if peer != self.rank:
+                self._answers.append((self.comm.Isend(ask, dest=peer, tag=_ASK_TAG), ask))
+        heard: dict[int, int] = {}
+        status = MPI.Status()
+        reply = np.empty(2, dtype=np.int64)
+        deadline = time.monotonic() + _ASK_GRACE_S
+        while len(heard) < self.size - 1 and time.monotonic() < deadline:
+            heard.update(self._answer(seq))
+            while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_ANSWER_TAG, status=status):
+                source = status.Get_source()
+                self.comm.Recv(reply, source=source, tag=_ANSWER_TAG)
+                if int(reply[0]) == self._asked:  # not an answer to an older question
+                    heard[source] = int(reply[1])
+            time.sleep(1e-3)
+        return heard
+
+    def _timeout_report(self, what: str, seq: int) -> str:
+        """The timeout message, naming the ranks that did not arrive when it can."""
+        if self._call is not None and what == "a collective":
+            what = self._call.describe()
+        head = f"waited {self.timeout:g}s for the other ranks to reach {what} (collective #{seq})"
+        if self.size < 2:
+            return head
+        heard = self._who_waits(seq)
+        missing = [r for r in range(self.size) if r != self.rank and r not in heard]
+        here = [self.rank] + sorted(r for r, s in heard.items() if s == seq)
+        parts = [f"{_ranks(sorted(here))} of this group waited in it"]
+        if missing:
+            parts.append(f"{_ranks(missing)}{self._world_ranks(missing)} did not arrive "
+                         "(dead, stuck, or busy outside plait)")
+        for r, s in sorted(heard.items()):
+            if s != seq:
+                where = "a recv" if s < 0 else f"collective #{s}"
+                parts.append(f"rank {r}{self._world_ranks([r])} is waiting in {where} "
+                             "(calling something else)")
+        return f"{head}; " + "; ".join(parts)
+
+    def _world_ranks(self, ranks: list[int]) -> str:
+        """`` (world ranks [...])`` when this group is not the whole world."""
+        if self.size == MPI.COMM_WORLD.Get_size():
+            return ""
+        world = MPI.Group.Translate_ranks(self.comm.Get_group(), ranks, MPI.COMM_WORLD.Get_group())
+        return f" (world {_ranks(list(world))})"
 
     def _raw_min(self, values: np.ndarray) -> np.ndarray:
         out = np.empty_like(values)
@@ -111,16 +206,17 @@ class MPICommunicator(CommunicatorBase):
     def _raw_allgather_bytes(self, data: np.ndarray) -> np.ndarray:
         data = _flat_bytes(data)
         counts = np.empty(self.size, dtype=np.int64)
-        self.comm.Allgather(np.array([data.size], dtype=np.int64), counts)
+        self._poll(self.comm.Iallgather(np.array([data.size], dtype=np.int64), counts),
+                   "an object allgather")
         out = np.empty(int(counts.sum()), dtype=np.uint8)
-        self.comm.Allgatherv(data, [out, counts, MPI.BYTE])
+        self._poll(self.comm.Iallgatherv(data, [out, counts, MPI.BYTE]), "an object allgather")
         return out
 
     def _raw_bcast_bytes(self, data: np.ndarray | None, root: int) -> np.ndarray:
         n = np.array([0 if data is None else data.size], dtype=np.int64)
-        self.comm.Bcast(n, root=root)
+        self._poll(self.comm.Ibcast(n, root=root), "an object broadcast")
         out = _flat_bytes(data).copy() if data is not None else np.empty(int(n[0]), np.uint8)
-        self.comm.Bcast(out, root=root)
+        self._poll(self.comm.Ibcast(out, root=root), "an object broadcast")
         return out
 
     def _request(self, req: Any, finish: Callable[[], Any], keep: Any) -> Pending:
@@ -196,8 +292,11 @@ class MPICommunicator(CommunicatorBase):
 
     def alltoall_async(self, tensor: Tensor, splits: Sequence[int] | None = None,
                        name: str | None = None) -> Handle:
-        """Start an alltoall; ``wait()`` gives ``(output, received_splits)``."""
+        """Start an alltoall; ``wait()`` gives ``(output, received_splits)`` (inside
+        ``tf.function`` the received splits are an int32 tensor)."""
         ops = self._ops(tensor, "alltoall")
+        if ops.is_symbolic(tensor):
+            return Done(self._graph_alltoall(ops, tensor, splits, name))
         dtype = ops.dtype_name(tensor)
         buf = ops.to_numpy(tensor)
         if buf.ndim == 0:
@@ -228,6 +327,10 @@ class MPICommunicator(CommunicatorBase):
         ops = self._ops(tensor, "reducescatter")
         dtype = ops.dtype_name(tensor)
         self._validate_op(op, dtype)
+        graph = self._graph(ops, tensor, lambda a: self.reducescatter(a, op, name),
+                            same_shape=False)
+        if graph is not None:
+            return graph
         buf = ops.to_numpy(tensor)
         if buf.ndim == 0:
             raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
@@ -249,8 +352,20 @@ class MPICommunicator(CommunicatorBase):
         return self.reducescatter_async(tensor, op, name).wait()
 
     def barrier(self) -> None:
-        """Wait until every rank of the group arrived (raises after the timeout)."""
-        self._poll(self.comm.Ibarrier(), "barrier")
+        """Wait until every rank of the group arrived.
+
+        With the agreement check on, the check itself is the barrier (its reduction
+        completes only once every rank contributed), so a rank calling another
+        collective meanwhile raises :class:`~plait.errors.MismatchError` on every rank.
+
+        Raises:
+            MismatchError: when another rank makes a different call.
+            CollectiveTimeoutError: when the others do not arrive within the timeout.
+        """
+        if self.check and self.size > 1:
+            self._verify(Call("barrier", (), "none"))
+        else:
+            self._poll(self.comm.Ibarrier(), "barrier")
 
     # -- point to point -------------------------------------------------------------------------
     def send(self, tensor: Tensor, dest: int, tag: int = 0) -> None:

@@ -109,5 +109,5 @@ def fw(request: pytest.FixtureRequest) -> Framework:
 
 @pytest.fixture(params=FRAMEWORKS[:3], scope="session")
 def efw(request: pytest.FixtureRequest) -> Framework:
-    """Frameworks for eager-only operations (async handles, alltoall, point-to-point)."""
+    """Frameworks for eager-only operations (async handles, point-to-point)."""
     return Framework(request.param)
