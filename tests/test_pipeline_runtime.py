@@ -1,11 +1,12 @@
-"""Single-process tests of the pipeline runtime's pure parts: tags, wire headers, model type."""
+"""Single-process tests of the pipeline's pure parts: tags, wire headers, model type, batch checks."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from plait.parallel.pipeline import PipelineError, PipelineTypeError, framework_of
+from plait.parallel.pipeline import PartitionError, PipelineError, PipelineTypeError, framework_of
+from plait.parallel.pipeline.api import ABSENT, SCALAR, batch_error
 from plait.parallel.pipeline.runtime import MAX_TAG, _header, _template, check_tags, message_tag
 
 
@@ -42,3 +43,38 @@ def test_framework_of_rejects_other_models():
         framework_of({"fc": 1})
     with pytest.raises(PipelineTypeError):
         framework_of([object()])
+
+
+def table(*rows: tuple[int, int, int, int, int]) -> np.ndarray:
+    """Batch table rows: (pipeline, x_rows, y_rows, needs_x, needs_y) per job rank."""
+    return np.array(rows, dtype=np.int64)
+
+
+def test_batch_error_accepts_batches_given_only_to_the_end_stages():
+    # 3 stages: x on the first, nothing on the middle one, y on the last
+    assert batch_error(table((0, 24, ABSENT, 1, 0), (0, ABSENT, ABSENT, 0, 0),
+                             (0, ABSENT, 24, 0, 1)), 4) is None
+    # two pipelines (dp=2) with batches of their own size
+    assert batch_error(table((0, 12, 12, 1, 0), (0, 12, 12, 0, 1),
+                             (2, 8, 8, 1, 0), (2, 8, 8, 0, 1)), 4) is None
+
+
+def test_batch_error_names_the_rank_and_the_problem():
+    middle = (0, ABSENT, ABSENT, 0, 0)
+    err = batch_error(table((0, 24, ABSENT, 1, 0), middle, (0, ABSENT, 24, 0, 1)), 5)
+    assert isinstance(err, PartitionError)
+    assert str(err).startswith("batch x with 24 rows on rank 0: microbatches must divide batch_size=24")
+    err = batch_error(table((0, 24, ABSENT, 1, 0), middle, (0, ABSENT, 20, 0, 1)), 4)
+    assert isinstance(err, PartitionError)
+    assert str(err) == ("the batches of one pipeline must have the same number of rows, "
+                        "got 20 rows: y on rank 2; 24 rows: x on rank 0")
+    err = batch_error(table((0, ABSENT, ABSENT, 1, 0), middle, (0, ABSENT, 24, 0, 1)), 4)
+    assert isinstance(err, PipelineTypeError)
+    assert "x (the input batch) is required on the first pipeline rank, got None on rank 0" in str(err)
+    err = batch_error(table((0, 24, ABSENT, 1, 0), middle, (0, ABSENT, ABSENT, 0, 1)), 4)
+    assert isinstance(err, PipelineTypeError) and "y (the target batch)" in str(err)
+    err = batch_error(table((0, 24, 24, 1, 0), (0, 24, SCALAR, 0, 1)), 4)
+    assert isinstance(err, PipelineTypeError)
+    assert "batch y on rank 1 must have a batch dimension" in str(err)
+    err = batch_error(table((0, 0, 0, 1, 1)), 1)
+    assert isinstance(err, PartitionError) and "batch x with 0 rows on rank 0" in str(err)

@@ -8,6 +8,8 @@ reference itself. Bad settings must raise on every rank before any message.
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 from conftest import make_comm
@@ -238,6 +240,44 @@ def test_bad_settings_raise_on_every_rank(comm, framework):
     comm.barrier()  # nobody was left waiting for a message
 
 
+def test_bad_batch_given_only_to_the_end_stages_raises_on_every_rank(comm):
+    """x only on the first stage, y only on the last: a middle stage (np=3) has no batch to
+    check, yet raises the same error as the others instead of waiting for an activation."""
+    pipe = make_pipeline("torch", comm, microbatches=4, schedule="1f1b")
+    x, y = batch("torch", 0)
+    last = comm.size - 1
+
+    def ends(xb, yb):
+        return (xb if pipe.is_first else None), (yb if pipe.is_last else None)
+
+    with pytest.raises(PartitionError, match="x with 22 rows on rank 0: microbatches must divide"):
+        pipe.train_step(*ends(x[:22], y[:22]))
+    with pytest.raises(PartitionError, match=f"same number of rows, got 20 rows: y on rank {last}; "
+                                             f"24 rows: x on rank 0"):
+        pipe.train_step(*ends(x, y[:20]))
+    with pytest.raises(PipelineTypeError, match="x \\(the input batch\\) is required .* on rank 0"):
+        pipe.train_step(*ends(None, y))
+    with pytest.raises(PipelineTypeError, match="batch x on rank 0 must have a batch dimension"):
+        pipe.train_step(*ends(x[0, 0], y))
+    with pytest.raises(PipelineTypeError, match="x \\(the input batch\\) is required"):
+        pipe.predict(None)
+    comm.barrier()  # nobody was left waiting for a message
+    loss = pipe.train_step(*ends(x, y))  # nothing was changed by the failed steps
+    assert abs(loss - serial("torch")[0][0]) < 1e-5
+    pipe.close()
+
+
+def test_timeline_records_every_pipeline_action(comm):
+    """Run by the np=3 job with PLAIT_TIMELINE set; tests/test_jobs_pipeline.py reads the file."""
+    from plait.collectives.timeline import Recorder, maybe_wrap
+
+    pipe = make_pipeline("torch", maybe_wrap(comm), microbatches=comm.size, schedule="1f1b")
+    x, y = batch("torch", 0)
+    assert abs(pipe.train_step(x, y) - serial("torch")[0][0]) < 1e-5
+    pipe.close()
+    Recorder._open[os.environ["PLAIT_TIMELINE"]].close()
+
+
 def test_model_type_is_checked():
     with pytest.raises(PipelineTypeError, match="model must be"):
         Pipeline(object(), loss_fn=lambda a, b: 0)
@@ -255,3 +295,15 @@ def test_mesh_dp2_pp2_matches_serial(comm, framework):
         pipe = make_pipeline(framework, mesh, microbatches=2, schedule=name)
         assert pipe.stages == 2 and pipe.rank == mesh.coords["pp"]
         train_and_compare(framework, pipe, rows)
+
+
+def test_mesh_bad_batch_on_one_replica_raises_on_every_rank(comm):
+    from plait import Mesh
+
+    mesh = Mesh(dp=2, pp=2, comm=comm)
+    pipe = make_pipeline("torch", mesh, microbatches=2)
+    x, y = batch("torch", 0, slice(0, 12 if mesh.coords["dp"] == 0 else 11))
+    with pytest.raises(PartitionError, match="with 11 rows on rank 2: microbatches must divide"):
+        pipe.train_step(x, y)
+    comm.barrier()
+    pipe.close()

@@ -33,7 +33,7 @@ from .partition import balance_by_cost, check_balance, check_microbatches, parti
 from .runtime import Runtime, StepStats, check_tags
 from .schedule import SCHEDULES, get_schedule
 
-__all__ = ["Pipeline", "framework_of"]
+__all__ = ["ABSENT", "SCALAR", "Pipeline", "batch_error", "framework_of"]
 
 _GLUE = {"torch": "plait.adapters.torch_pipeline", "keras": "plait.adapters.keras_pipeline"}
 
@@ -62,15 +62,66 @@ def _even(layers: int, stages: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(stages)]
 
 
+#: Row counts in the batch table of :func:`batch_error`: batch not given / without a batch dimension.
+ABSENT, SCALAR = -1, -2
+
+
 def _rows(x: Any) -> int:
+    """Rows of a batch, ``ABSENT`` for None, ``SCALAR`` for a batch without a batch dimension."""
     if x is None:
-        return -1
+        return ABSENT
     from plait.adapters import ops_for
 
     shape = ops_for(x).shape(x)
-    if not shape:
-        raise PipelineTypeError(f"batches must have a batch dimension, got a scalar {x!r}")
-    return int(shape[0])
+    return int(shape[0]) if shape else SCALAR
+
+
+def batch_error(table: np.ndarray, microbatches: int) -> PipelineError | None:
+    """The error of a step's batches over a whole job, or None when they are fine.
+
+    Every rank of the job gathers the same table and calls this, so all ranks
+    raise the same error (or none) before any activation is sent: a rank that
+    is given no batch (a middle stage) still learns that another one is bad.
+
+    Args:
+        table: One row per job rank: ``(pipeline, x_rows, y_rows, needs_x, needs_y)``,
+            where ``pipeline`` identifies the rank's pipeline, the row counts are
+            ``ABSENT`` (-1) for a batch not given and ``SCALAR`` (-2) for one with
+            no batch dimension, and ``needs_x`` / ``needs_y`` are 1 where the rank
+            runs the first / last stage.
+        microbatches: Micro-batches per step; every given batch must divide by it.
+
+    Returns:
+        The first problem found, by rank: a :class:`PipelineTypeError` for a
+        missing batch or one without a batch dimension, a :class:`PartitionError`
+        for a row count that does not split into ``microbatches`` or batches of
+        one pipeline with different row counts; None when there is none.
+    """
+    rows_of: dict[int, dict[int, list[str]]] = {}
+    for r, (pipe, x_rows, y_rows, needs_x, needs_y) in enumerate(np.asarray(table).tolist()):
+        for rows, what in ((x_rows, "x"), (y_rows, "y")):
+            if rows == SCALAR:
+                return PipelineTypeError(
+                    f"batch {what} on rank {r} must have a batch dimension, got a scalar")
+            if rows == ABSENT:
+                continue
+            try:
+                check_microbatches(rows, microbatches)
+            except PartitionError as exc:
+                return PartitionError(f"batch {what} with {rows} rows on rank {r}: {exc}")
+            rows_of.setdefault(pipe, {}).setdefault(rows, []).append(f"{what} on rank {r}")
+        if needs_x and x_rows == ABSENT:
+            return PipelineTypeError(
+                f"x (the input batch) is required on the first pipeline rank, got None on rank {r}")
+        if needs_y and y_rows == ABSENT:
+            return PipelineTypeError(
+                f"y (the target batch) is required on the last pipeline rank, got None on rank {r}")
+    for counts in rows_of.values():
+        if len(counts) > 1:
+            shown = "; ".join(f"{n} rows: {', '.join(w)}" for n, w in sorted(counts.items()))
+            return PartitionError(
+                f"the batches of one pipeline must have the same number of rows, got {shown}")
+    return None
 
 
 class Pipeline:
@@ -92,8 +143,9 @@ class Pipeline:
         chunks: Model chunks per rank for ``"interleaved"`` (default 2); must be
             1 (the default) otherwise.
         comm: A :class:`plait.Mesh` (pipeline over ``mesh.pipeline``, gradients
-            averaged over ``mesh.data``), a communicator (all its ranks form one
-            pipeline), or None for ``plait.world()``/``plait.init()``.
+            averaged over ``mesh.data``; with ``tp > 1`` the model's layers may be
+            ``plait.TensorParallel`` layers on ``mesh.tensor``), a communicator
+            (all its ranks form one pipeline), or None for ``plait.init()``.
         loss_fn: torch: ``loss_fn(output, target)``; Keras: ``loss_fn(y_true, y_pred)``;
             reduced as a mean over the micro-batch.
         optimizer: torch: ``callable(params) -> torch.optim.Optimizer``; Keras: an
@@ -169,20 +221,22 @@ class Pipeline:
         self._reducer: Any = None
 
     # -- construction helpers ----------------------------------------------------------
-    @staticmethod
-    def _comms(comm: Any) -> tuple[Communicator, Communicator | None]:
+    def _comms(self, comm: Any) -> tuple[Communicator, Communicator | None]:
+        """Set ``job_comm`` (every rank of the job) and ``_pipe_id``; return (pipeline, data)."""
         if comm is None:
             from plait import runtime
 
-            return runtime.init(), None
+            comm = runtime.init()
         if hasattr(comm, "pipeline") and hasattr(comm, "data"):  # a plait.Mesh
-            if comm.shape.tp != 1:
-                raise NotImplementedError(
-                    "Pipeline on a Mesh with tp > 1 is not supported yet; use tp=1")
+            # Tensor peers run the same stage on their own shards: each has its own pipeline
+            # (mesh.pipeline) and its own data group (mesh.data); their collectives live
+            # inside the user's TensorParallel layers on mesh.tensor.
+            self.job_comm, self._pipe_id = comm.world, min(comm.group("pp"))
             return comm.pipeline, (comm.data if comm.data.size > 1 else None)
         if not all(hasattr(comm, a) for a in ("send", "recv", "rank", "size")):
             raise PipelineTypeError(
                 f"comm must be a plait.Mesh, a plait Communicator or None, got {type(comm).__name__}")
+        self.job_comm, self._pipe_id = comm, 0
         return comm, None
 
     def _checkpoint(self, checkpoint: Any) -> list[bool]:
@@ -206,8 +260,10 @@ class Pipeline:
                 if sample is None:
                     raise PipelineTypeError(
                         "balance='time' needs sample_input=<an input batch> to time each layer")
+                # Measured on every pipeline rank 0 (tensor peers run their layers' collectives
+                # together); job rank 0's costs are used everywhere, so all pipelines agree.
                 costs = glue.layer_times(layers, sample) if self.pipe_comm.rank == 0 else None
-                costs = self.pipe_comm.broadcast_object(costs, root=0)
+                costs = self.job_comm.broadcast_object(costs, root=0)
                 return balance_by_cost(costs, k)
             raise PartitionError(
                 f"balance must be None, a list of {k} layer counts, 'params' or 'time', got {balance!r}")
@@ -233,13 +289,11 @@ class Pipeline:
         """This rank's trainable parameters (torch) or variables (Keras)."""
         return self.params.parameters()
 
-    def _split(self, t: Any, what: str) -> list[Any]:
+    def _split(self, t: Any) -> list[Any]:
+        """``t`` in ``microbatches`` equal parts (its rows were checked by :meth:`_check_batches`)."""
         from plait.adapters import ops_for
 
-        rows = _rows(t)
-        size = check_microbatches(rows, self.microbatches) if rows > 0 else 0
-        if rows <= 0:
-            raise PartitionError(f"{what} must have at least one row, got shape {ops_for(t).shape(t)}")
+        size = check_microbatches(_rows(t), self.microbatches)
         return ops_for(t).split(t, [size] * self.microbatches)
 
     def train_step(self, x: Any = None, y: Any = None) -> float:
@@ -255,29 +309,33 @@ class Pipeline:
             data-parallel group on a Mesh: the loss of the global batch).
 
         Raises:
-            PartitionError: A batch that does not split into ``microbatches``
-                (raised before any communication on every rank given the batch).
-            PipelineTypeError: ``x`` missing on the first rank or ``y`` on the last.
+            PartitionError: A batch that does not split into ``microbatches``, or
+                batches of one pipeline with different numbers of rows.
+            PipelineTypeError: ``x`` missing on the first rank, ``y`` on the last,
+                or a batch without a batch dimension.
+
+        Every rank of the job (also a middle stage given no batch) raises the same
+        error, after one small allgather of the batch sizes and before any
+        activation is sent.
         """
-        for t, what in ((x, "x"), (y, "y")):
-            if t is not None:
-                rows = _rows(t)
-                try:
-                    check_microbatches(rows, self.microbatches)
-                except PartitionError as exc:
-                    raise PartitionError(f"batch {what} with {rows} rows: {exc}") from None
-        if self.is_first and x is None:
-            raise PipelineTypeError("x (the input batch) is required on the first pipeline rank")
-        if self.is_last and y is None:
-            raise PipelineTypeError("y (the target batch) is required on the last pipeline rank")
-        inputs = self._split(x, "x") if self.is_first else None
-        targets = self._split(y, "y") if self.is_last else None
+        self._check_batches(x, y, self.microbatches, needs_y=True)
+        inputs = self._split(x) if self.is_first else None
+        targets = self._split(y) if self.is_last else None
         self.params.zero_grad()
         losses, self.last_stats = self.runtime.run(self.actions, inputs, targets)
         if self.data_comm is not None:
             self._average_gradients(self.data_comm)
         self.params.step()
         return self._share_loss(float(np.mean(losses)) if losses else 0.0)
+
+    def _check_batches(self, x: Any, y: Any, microbatches: int, needs_y: bool) -> None:
+        """Gather every job rank's batch sizes; raise :func:`batch_error`'s error on all ranks."""
+        mine = np.array([[self._pipe_id, _rows(x), _rows(y), int(self.is_first),
+                          int(self.is_last and needs_y)]], dtype=np.int64)
+        table = np.asarray(self.job_comm.allgather(mine)).reshape(-1, mine.shape[1])
+        error = batch_error(table, microbatches)
+        if error is not None:
+            raise error
 
     def _average_gradients(self, data: Communicator) -> None:
         from plait.adapters import ops_for
@@ -313,9 +371,13 @@ class Pipeline:
         Returns:
             The model output (the framework's tensor) on the last pipeline
             rank, None on the others.
+
+        Raises:
+            PipelineTypeError: ``x`` missing on the first rank, or without a batch
+                dimension (on every rank of the job, before any activation is sent).
+            PartitionError: ``x`` has no rows.
         """
-        if self.is_first and x is None:
-            raise PipelineTypeError("x (the input batch) is required on the first pipeline rank")
+        self._check_batches(x, None, 1, needs_y=False)
         return self.runtime.forward_only(x, self.stages)
 
     def close(self) -> None:

@@ -25,6 +25,13 @@ Eager sends
     are waited for at its end. Every message has its own tag
     ``(family, stage, micro-batch)``, so the order in which ranks post
     receives never matters.
+
+Timeline
+    With ``PLAIT_TIMELINE`` set (see :mod:`plait.collectives.timeline`) every
+    action of a step (forward, backward, send and receive) is one event of
+    category ``"pipeline"`` named after the action, e.g.
+    ``forward(mb=0, stage=1)``, with its kind, stage, micro-batch and peer;
+    :meth:`Runtime.forward_only` records one ``infer(stage=s)`` event per stage.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from plait.collectives.timeline import span
 from plait.errors import CollectiveTimeoutError
 from plait.protocols import Communicator
 
@@ -234,54 +242,56 @@ class Runtime:
         try:
             for a in actions:
                 s, mb = a.stage, a.microbatch
-                if a.kind is ActionKind.FORWARD:
-                    ex = self._executor(s)
-                    x = inputs[mb] if s == 0 and inputs is not None else acts.pop((s, mb))
-                    start = time.perf_counter()
-                    out = ex.forward(mb, x, targets[mb] if s == last and targets is not None
-                                     else None)
-                    end = time.perf_counter()
-                    stats.forward += end - start
-                    stats.spans.append((start - t0, end - t0, "F", s, mb))
-                    live += 1
-                    stats.peak_live = max(stats.peak_live, live)
-                    if s == last:
-                        losses[mb] = float(out)
-                    elif s + 1 in self.executors:
-                        acts[(s + 1, mb)] = out
-                    else:
-                        outbox[(s, mb)] = out
-                elif a.kind is ActionKind.BACKWARD:
-                    ex = self._executor(s)
-                    g = None if s == last else grads.pop((s, mb))
-                    start = time.perf_counter()
-                    gin = ex.backward(mb, g)
-                    end = time.perf_counter()
-                    stats.backward += end - start
-                    stats.spans.append((start - t0, end - t0, "B", s, mb))
-                    live -= 1
-                    if s > 0:
-                        if s - 1 in self.executors:
-                            grads[(s - 1, mb)] = gin
+                with span(str(a), "pipeline", kind=a.kind.value, stage=s, microbatch=mb,
+                          peer=a.peer):
+                    if a.kind is ActionKind.FORWARD:
+                        ex = self._executor(s)
+                        x = inputs[mb] if s == 0 and inputs is not None else acts.pop((s, mb))
+                        start = time.perf_counter()
+                        out = ex.forward(mb, x, targets[mb] if s == last and targets is not None
+                                         else None)
+                        end = time.perf_counter()
+                        stats.forward += end - start
+                        stats.spans.append((start - t0, end - t0, "F", s, mb))
+                        live += 1
+                        stats.peak_live = max(stats.peak_live, live)
+                        if s == last:
+                            losses[mb] = float(out)
+                        elif s + 1 in self.executors:
+                            acts[(s + 1, mb)] = out
                         else:
-                            outbox[(s, mb)] = gin
-                elif a.kind is ActionKind.SEND_ACT:
-                    arr = _to_numpy(outbox.pop((s, mb)))
-                    like[(s, mb)] = arr
-                    if mb == 0:
-                        self.sender.send(_header(arr), _peer(a), self._tag(_HEAD, s, 0))
-                    self.sender.send(arr, _peer(a), self._tag(_ACT, s, mb))
-                elif a.kind is ActionKind.SEND_GRAD:
-                    arr = _to_numpy(outbox.pop((s, mb)))
-                    self.sender.send(arr, _peer(a), self._tag(_GRAD, s, mb))
-                elif a.kind is ActionKind.RECV_ACT:
-                    if s not in meta:
-                        head = np.zeros(_HEADER_LEN, dtype=np.int64)
-                        meta[s] = _template(self.comm.recv(head, _peer(a), self._tag(_HEAD, s - 1, 0)))
-                    acts[(s, mb)] = self.comm.recv(meta[s], _peer(a), self._tag(_ACT, s - 1, mb))
-                else:  # RECV_GRAD
-                    grads[(s, mb)] = self.comm.recv(like.pop((s, mb)), _peer(a),
-                                                    self._tag(_GRAD, s + 1, mb))
+                            outbox[(s, mb)] = out
+                    elif a.kind is ActionKind.BACKWARD:
+                        ex = self._executor(s)
+                        g = None if s == last else grads.pop((s, mb))
+                        start = time.perf_counter()
+                        gin = ex.backward(mb, g)
+                        end = time.perf_counter()
+                        stats.backward += end - start
+                        stats.spans.append((start - t0, end - t0, "B", s, mb))
+                        live -= 1
+                        if s > 0:
+                            if s - 1 in self.executors:
+                                grads[(s - 1, mb)] = gin
+                            else:
+                                outbox[(s, mb)] = gin
+                    elif a.kind is ActionKind.SEND_ACT:
+                        arr = _to_numpy(outbox.pop((s, mb)))
+                        like[(s, mb)] = arr
+                        if mb == 0:
+                            self.sender.send(_header(arr), _peer(a), self._tag(_HEAD, s, 0))
+                        self.sender.send(arr, _peer(a), self._tag(_ACT, s, mb))
+                    elif a.kind is ActionKind.SEND_GRAD:
+                        arr = _to_numpy(outbox.pop((s, mb)))
+                        self.sender.send(arr, _peer(a), self._tag(_GRAD, s, mb))
+                    elif a.kind is ActionKind.RECV_ACT:
+                        if s not in meta:
+                            head = np.zeros(_HEADER_LEN, dtype=np.int64)
+                            meta[s] = _template(self.comm.recv(head, _peer(a), self._tag(_HEAD, s - 1, 0)))
+                        acts[(s, mb)] = self.comm.recv(meta[s], _peer(a), self._tag(_ACT, s - 1, mb))
+                    else:  # RECV_GRAD
+                        grads[(s, mb)] = self.comm.recv(like.pop((s, mb)), _peer(a),
+                                                        self._tag(_GRAD, s + 1, mb))
             self.sender.flush()
         except BaseException:
             self.sender.pending.clear()
@@ -311,7 +321,8 @@ class Runtime:
                 out = self.comm.recv(_template(head), src, self._tag(_ACT, s - 1, 0))
             elif s == 0:
                 out = x
-            out = self.executors[s].infer(out)
+            with span(f"infer(stage={s})", "pipeline", kind="infer", stage=s):
+                out = self.executors[s].infer(out)
             if s + 1 < self.stages and s + 1 not in self.executors:
                 arr = _to_numpy(out)
                 self.sender.send(_header(arr), (s + 1) % ranks, self._tag(_HEAD, s, 0))
