@@ -31,32 +31,59 @@ def _name(v: Any, i: int) -> str:
 
 def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any], comm: Communicator, *,
                      op: str = "average", compression: Any = None, memory: Any = None,
-                     bucket_mb: float = DEFAULT_BUCKET_MB) -> list[Any]:
+                     bucket_mb: float = DEFAULT_BUCKET_MB,
+                     gradient_predivide_factor: float = 1.0) -> list[Any]:
     """Average (or sum) gradients across ``comm``, fused into buckets.
 
     A ``None`` gradient is reduced as zeros (another rank may have one), and
     ``tf.IndexedSlices`` are made dense.
+
+    Args:
+        grads: one gradient (or None) per variable.
+        variables: the variables (tf or Keras 3), same order and number on every rank.
+        comm: the data-parallel communicator.
+        op: "average" (default) or "sum".
+        compression: a compressor, or None.
+        memory: its error-feedback memory, or None.
+        bucket_mb: fusion bucket size in MiB (0: one gradient per allreduce).
+        gradient_predivide_factor: divide by this before the reduction and multiply
+            after (Horovod's split of the averaging).
 
     Returns:
         The reduced gradients, in the order of ``variables``.
     """
     if comm.size == 1:
         return list(grads)
+    f = float(gradient_predivide_factor)
     specs, dense = [], []
     for i, (g, v) in enumerate(zip(grads, variables)):
         value = unwrap(v)
-        if g is None:
-            g = tf.zeros_like(value)
-        elif isinstance(g, tf.IndexedSlices):
-            g = tf.convert_to_tensor(g)
+        g = dense_gradient(g, value)
         specs.append(GradSpec(_name(v, i), tuple(value.shape), OPS.dtype_name(value)))
-        dense.append(g)
+        dense.append(g if f == 1.0 else g / f)
     reducer = GradientReducer(comm, specs, op=op, bucket_mb=bucket_mb, compression=compression,
                               memory=memory, prefix="tfgrad")
     for spec, g in zip(specs, dense):
         reducer.ready(spec.name, g)
     out = reducer.finish(lambda spec: None)
-    return [out[s.name] for s in specs]
+    return [out[s.name] if f == 1.0 else out[s.name] * f for s in specs]
+
+
+def dense_gradient(grad: Any, value: Any) -> Any:
+    """``grad`` as a dense tensor: zeros for None, ``tf.IndexedSlices`` densified.
+
+    Args:
+        grad: a gradient, ``tf.IndexedSlices`` or None.
+        value: the variable's value (gives the zeros their shape and dtype).
+
+    Returns:
+        A dense tensor shaped like ``value``.
+    """
+    if grad is None:
+        return tf.zeros_like(value)
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.convert_to_tensor(grad)
+    return grad
 
 
 class DistributedGradientTape:
@@ -69,15 +96,22 @@ class DistributedGradientTape:
         compression: a compressor, or None.
         memory: its error-feedback memory, or None.
         bucket_mb: fusion bucket size in MiB.
+        gradient_predivide_factor: divide before the reduction, multiply after.
+
+    Raises:
+        ConfigError: when ``tape`` is not a ``tf.GradientTape`` or the factor is not > 0.
     """
 
     def __init__(self, tape: tf.GradientTape, comm: Communicator, *, op: str = "average",
                  compression: Any = None, memory: Any = None,
-                 bucket_mb: float = DEFAULT_BUCKET_MB) -> None:
+                 bucket_mb: float = DEFAULT_BUCKET_MB,
+                 gradient_predivide_factor: float = 1.0) -> None:
         if not isinstance(tape, tf.GradientTape):
             raise invalid("gradtape", type(tape).__name__, "a tf.GradientTape")
+        _check_predivide(gradient_predivide_factor)
         self._tape, self._comm = tape, comm
-        self._kw = {"op": op, "compression": compression, "memory": memory, "bucket_mb": bucket_mb}
+        self._kw = {"op": op, "compression": compression, "memory": memory, "bucket_mb": bucket_mb,
+                    "gradient_predivide_factor": gradient_predivide_factor}
 
     def __enter__(self) -> DistributedGradientTape:
         self._tape.__enter__()
@@ -112,31 +146,100 @@ def broadcast_variables(variables: Sequence[Any], comm: Communicator, root: int 
             v.assign(tf.reshape(part, unwrap(v).shape))
 
 
+def _check_predivide(factor: Any) -> None:
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor > 0:
+        raise invalid("gradient_predivide_factor", factor, "a number > 0")
+
+
 def distributed_keras_optimizer(optimizer: Any, comm: Communicator, *, op: str = "average",
                                 compression: Any = None, memory: Any = None,
-                                bucket_mb: float = DEFAULT_BUCKET_MB) -> Any:
+                                bucket_mb: float = DEFAULT_BUCKET_MB,
+                                backward_passes_per_step: int = 1,
+                                average_aggregated_gradients: bool = False,
+                                gradient_predivide_factor: float = 1.0) -> Any:
     """A copy of a Keras 3 optimizer whose ``apply`` averages gradients first.
 
-    Works with ``model.fit`` (which calls ``optimizer.apply``) and with custom
-    loops calling ``apply_gradients``; the result is an instance of a subclass of
-    the optimizer's class, built from its config.
+    Works with ``model.fit`` (which calls ``optimizer.apply`` inside a ``tf.function``)
+    and with custom loops calling ``apply_gradients``, eagerly or in ``tf.function``;
+    the result is an instance of a subclass of the optimizer's class, built from its
+    config.
+
+    With ``backward_passes_per_step`` N > 1 (Horovod's gradient accumulation), each
+    call adds the local gradients to accumulators (optimizer variables, so they are
+    broadcast and checkpointed with the rest); every Nth call reduces the sums across
+    ranks and applies them, the other calls apply nothing. As in Horovod the applied
+    gradient is the sum of the N passes (averaged over ranks), or its mean with
+    ``average_aggregated_gradients=True``. ``optimizer.iterations`` counts applied
+    updates (as with Keras 3's own ``gradient_accumulation_steps``), so Adam's bias
+    correction and learning-rate schedules see the same step numbers as one process
+    training on the N-times larger batch.
+
+    Args:
+        optimizer: a Keras 3 optimizer (not yet used).
+        comm: the data-parallel communicator.
+        op: "average" (default) or "sum".
+        compression: a compressor, or None.
+        memory: its error-feedback memory, or None.
+        bucket_mb: fusion bucket size in MiB (0: one gradient per allreduce).
+        backward_passes_per_step: local passes accumulated per reduction and update.
+        average_aggregated_gradients: divide the accumulated sum by the number of passes.
+        gradient_predivide_factor: divide before the reduction, multiply after.
+
+    Returns:
+        The distributed optimizer.
 
     Raises:
-        ConfigError: when ``optimizer`` is not a Keras 3 optimizer.
+        ConfigError: when ``optimizer`` is not a Keras 3 optimizer, or for a bad number
+            of passes or factor.
     """
     import keras
 
     if not isinstance(optimizer, keras.optimizers.Optimizer):
         raise invalid("optimizer", type(optimizer).__name__, "a keras.optimizers.Optimizer (Keras 3)")
+    passes = backward_passes_per_step
+    if isinstance(passes, bool) or not isinstance(passes, int) or passes < 1:
+        raise invalid("backward_passes_per_step", passes, "an integer >= 1")
+    _check_predivide(gradient_predivide_factor)
     base = type(optimizer)
-    kw = {"op": op, "compression": compression, "memory": memory, "bucket_mb": bucket_mb}
+    kw = {"op": op, "compression": compression, "memory": memory, "bucket_mb": bucket_mb,
+          "gradient_predivide_factor": gradient_predivide_factor}
+
+    def build(self: Any, variables: Any) -> None:
+        base.build(self, variables)
+        if passes > 1:
+            self._plait_accumulators = [
+                self.add_variable_from_reference(v, name="plait_accumulator") for v in variables]
+            self._plait_passes = self.add_variable((), initializer="zeros", dtype="int64",
+                                                   name="plait_passes")
 
     def apply(self: Any, grads: Any, trainable_variables: Any = None) -> Any:
         variables = trainable_variables
         if variables is None:
             variables = self._trainable_variables
-        reduced = reduce_gradients(list(grads), list(variables), comm, **kw)
-        return base.apply(self, reduced, trainable_variables)
+        variables, grads = list(variables), list(grads)
+        if passes == 1:
+            return base.apply(self, reduce_gradients(grads, variables, comm, **kw),
+                              trainable_variables)
+        if not self.built:
+            self.build(variables)
+        accumulators = [self._plait_accumulators[self._get_variable_index(v)] for v in variables]
+        for acc, g, v in zip(accumulators, grads, variables):
+            acc.assign_add(dense_gradient(g, unwrap(v)))
+        self._plait_passes.assign_add(1)
 
-    cls: Any = type(base.__name__, (base,), {"apply": apply, "_plait_distributed": True})
+        def update() -> None:
+            summed = [tf.convert_to_tensor(unwrap(acc)) for acc in accumulators]
+            reduced = reduce_gradients(summed, variables, comm, **kw)
+            if average_aggregated_gradients:
+                reduced = [g / passes for g in reduced]
+            base.apply(self, reduced, variables)
+            for acc in accumulators:
+                acc.assign(tf.zeros_like(unwrap(acc)))
+            self._plait_passes.assign(0)
+
+        tf.cond(tf.equal(unwrap(self._plait_passes), passes), update, lambda: None)
+        return None
+
+    cls: Any = type(base.__name__, (base,), {"apply": apply, "build": build,
+                                            "_plait_distributed": True})
     return cls.from_config(optimizer.get_config())

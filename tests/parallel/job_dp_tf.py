@@ -26,6 +26,8 @@ from plait.adapters.tf_optim import (  # noqa: E402
     distributed_keras_optimizer,
 )
 
+from plait.parallel.data import DEFAULT_BUCKET_MB  # noqa: E402
+
 tf.config.experimental.enable_op_determinism()
 
 
@@ -57,7 +59,8 @@ def identical_on_all_ranks(comm, m: keras.Model) -> None:
 LOSS = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
 
 
-def tape_training(comm, graph: bool, distributed: bool, steps: int = 10) -> keras.Model:
+def tape_training(comm, graph: bool, distributed: bool, bucket_mb: float = DEFAULT_BUCKET_MB,
+                  steps: int = 10) -> keras.Model:
     x, y = digits()
     m = model()
     opt = keras.optimizers.SGD(learning_rate=0.2, momentum=0.9)
@@ -67,7 +70,7 @@ def tape_training(comm, graph: bool, distributed: bool, steps: int = 10) -> kera
         with tf.GradientTape() as tape:
             loss = LOSS(yb, m(xb))
         if distributed:
-            tape = DistributedGradientTape(tape, comm)
+            tape = DistributedGradientTape(tape, comm, bucket_mb=bucket_mb)
         grads = tape.gradient(loss, m.trainable_variables)
         opt.apply_gradients(zip(grads, m.trainable_variables))
         return loss
@@ -83,36 +86,138 @@ def tape_training(comm, graph: bool, distributed: bool, steps: int = 10) -> kera
     return m
 
 
+FUSION = [DEFAULT_BUCKET_MB, 0.0]  # one fused bucket for the whole model / one gradient each
+FUSION_IDS = ["fused", "unfused"]
+
+
+@pytest.mark.parametrize("bucket_mb", FUSION, ids=FUSION_IDS)
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
-def test_gradient_tape_matches_serial(comm, graph):
-    dist = tape_training(comm, graph, distributed=True)
+def test_gradient_tape_matches_serial(comm, graph, bucket_mb):
+    dist = tape_training(comm, graph, distributed=True, bucket_mb=bucket_mb)
     serial = tape_training(comm, graph, distributed=False)
     np.testing.assert_allclose(flat(dist), flat(serial), rtol=0, atol=1e-6)
 
 
-def fit(comm, distributed: bool, seed: int) -> keras.Model:
+def accumulation_training(comm, graph: bool, distributed: bool, passes: int, steps: int = 10,
+                          bucket_mb: float = DEFAULT_BUCKET_MB) -> keras.Model:
+    """Custom loop through ``apply_gradients``: ``passes`` local passes per step on each
+    rank, against one process taking one step on all of them (at ``passes`` times the
+    learning rate: Horovod applies the sum of the passes by default)."""
     x, y = digits()
-    batch = 10 * comm.size
-    n = (len(x) // batch) * batch
-    x, y = x[:n], y[:n]
-    m = model(seed)
-    opt = keras.optimizers.Adam(learning_rate=1e-2)
-    callbacks = []
+    m = model()
+    b = 6  # samples per rank and pass
+    total = b * passes * comm.size  # samples per step
     if distributed:
-        opt = distributed_keras_optimizer(opt, comm)
-        callbacks = [BroadcastGlobalVariablesCallback(0, comm), MetricAverageCallback(comm)]
-        x, y, batch = x[comm.rank :: comm.size], y[comm.rank :: comm.size], batch // comm.size
-    m.compile(optimizer=opt, loss=LOSS, metrics=["accuracy"])
-    m.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+        opt = distributed_keras_optimizer(keras.optimizers.SGD(0.1, momentum=0.9), comm,
+                                          backward_passes_per_step=passes, bucket_mb=bucket_mb)
+    else:
+        opt = keras.optimizers.SGD(0.1 * passes, momentum=0.9)
+
+    def one_pass(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = LOSS(yb, m(xb))
+        grads = tape.gradient(loss, m.trainable_variables)
+        opt.apply_gradients(zip(grads, m.trainable_variables))
+
+    run = tf.function(one_pass) if graph else one_pass
+    for s in range(steps):
+        xb, yb = x[s * total : (s + 1) * total], y[s * total : (s + 1) * total]
+        if not distributed:
+            run(tf.constant(xb), tf.constant(yb))
+            continue
+        xb, yb = xb[comm.rank :: comm.size], yb[comm.rank :: comm.size]
+        for p in range(passes):
+            before = flat(m)
+            run(tf.constant(xb[p * b : (p + 1) * b]), tf.constant(yb[p * b : (p + 1) * b]))
+            if p < passes - 1:  # accumulated, not applied
+                np.testing.assert_array_equal(flat(m), before)
+        identical_on_all_ranks(comm, m)
+    assert int(opt.iterations) == steps
     return m
 
 
-def test_keras_fit_matches_serial_and_replicas_agree(comm):
+@pytest.mark.parametrize("bucket_mb", FUSION, ids=FUSION_IDS)
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_gradient_accumulation_matches_serial(comm, graph, bucket_mb):
+    dist = accumulation_training(comm, graph, distributed=True, passes=2, bucket_mb=bucket_mb)
+    serial = accumulation_training(comm, graph, distributed=False, passes=2)
+    np.testing.assert_allclose(flat(dist), flat(serial), rtol=0, atol=1e-6)
+
+
+class SameOnAllRanks(keras.callbacks.Callback):
+    """Compares the weights across ranks after every batch of ``fit``."""
+
+    def __init__(self, comm) -> None:
+        super().__init__()
+        self.comm, self.batches = comm, 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        identical_on_all_ranks(self.comm, self.model)
+        self.batches += 1
+
+
+def fit(comm, distributed: bool, seed: int, bucket_mb: float = DEFAULT_BUCKET_MB,
+        passes: int = 1, average_passes: bool = True, samples: int = 600) -> keras.Model:
+    """2 epochs of ``fit``; the distributed run takes ``passes`` batches of 10 per rank
+    and step, the serial one batches of ``10 * size * passes``.
+
+    Adam without accumulation; with it, SGD with momentum at ``passes`` times the
+    serial rate when the passes are summed (Adam's normalisation turns the float
+    rounding of a sum of 4 means instead of one mean of 40 into 1e-5 differences on
+    near-zero gradients; ``iterations`` is checked instead).
+    """
+    x, y = digits()
+    batch = 10 * comm.size * passes
+    n = (samples // batch) * batch
+    x, y = x[:n], y[:n]
+    m = model(seed)
+    if passes == 1:
+        opt = keras.optimizers.Adam(learning_rate=1e-2)
+    else:
+        rate = 0.05 if average_passes or distributed else 0.05 * passes
+        opt = keras.optimizers.SGD(learning_rate=rate, momentum=0.9)
+    callbacks = []
+    if distributed:
+        opt = distributed_keras_optimizer(opt, comm, bucket_mb=bucket_mb,
+                                          backward_passes_per_step=passes,
+                                          average_aggregated_gradients=average_passes)
+        check = SameOnAllRanks(comm)
+        callbacks = [BroadcastGlobalVariablesCallback(0, comm), MetricAverageCallback(comm), check]
+        x, y, batch = x[comm.rank :: comm.size], y[comm.rank :: comm.size], 10
+    m.compile(optimizer=opt, loss=LOSS, metrics=["accuracy"])
+    m.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+    assert int(opt.iterations) == 2 * n // (10 * comm.size * passes)  # updates, not passes
+    if distributed:
+        assert check.batches == 2 * len(x) // 10
+    return m
+
+
+_SERIAL: dict[tuple[int, int, bool], np.ndarray] = {}
+
+
+def serial_fit(comm, passes: int, average_passes: bool = True) -> np.ndarray:
+    key = (comm.size, passes, average_passes)
+    if key not in _SERIAL:
+        _SERIAL[key] = flat(fit(comm, distributed=False, seed=0, passes=passes,
+                                average_passes=average_passes))
+    return _SERIAL[key]
+
+
+@pytest.mark.parametrize("bucket_mb", FUSION, ids=FUSION_IDS)
+def test_keras_fit_matches_serial_and_replicas_agree(comm, bucket_mb):
     # differently initialised ranks: the broadcast callback must make them agree
-    dist = fit(comm, distributed=True, seed=comm.rank)
+    dist = fit(comm, distributed=True, seed=comm.rank, bucket_mb=bucket_mb)
     identical_on_all_ranks(comm, dist)
-    serial = fit(comm, distributed=False, seed=0)
-    np.testing.assert_allclose(flat(dist), flat(serial), rtol=0, atol=2e-6)
+    np.testing.assert_allclose(flat(dist), serial_fit(comm, 1), rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("average_passes", [True, False], ids=["mean-of-passes", "sum-of-passes"])
+@pytest.mark.parametrize("bucket_mb", FUSION, ids=FUSION_IDS)
+def test_keras_fit_with_gradient_accumulation_matches_serial(comm, bucket_mb, average_passes):
+    dist = fit(comm, distributed=True, seed=comm.rank, bucket_mb=bucket_mb, passes=2,
+               average_passes=average_passes)
+    identical_on_all_ranks(comm, dist)
+    np.testing.assert_allclose(flat(dist), serial_fit(comm, 2, average_passes), rtol=0, atol=1e-6)
 
 
 def test_keras_fit_without_averaging_would_diverge(comm):
@@ -146,3 +251,7 @@ def test_bad_inputs(comm):
         distributed_keras_optimizer(object(), comm)
     with pytest.raises(ValueError, match="tf.GradientTape"):
         DistributedGradientTape(object(), comm)
+    with pytest.raises(ValueError, match="backward_passes_per_step=0"):
+        distributed_keras_optimizer(keras.optimizers.SGD(), comm, backward_passes_per_step=0)
+    with pytest.raises(ValueError, match="gradient_predivide_factor=-1"):
+        distributed_keras_optimizer(keras.optimizers.SGD(), comm, gradient_predivide_factor=-1)
