@@ -116,12 +116,36 @@ def test_horovodrun_mpi_backend_uses_mpi_controller() -> None:
         ({"env_vars": ("1BAD",)}, "env_vars='1BAD'"),
         ({"np": 3, "hosts": (HostSlots("a", 2),)}, "-np=3"),
         ({"hosts": (HostSlots("a", 2),), "hostfile": "hf"}, "hostfile='hf'.*not both"),
+        ({"timeline": ""}, "timeline=''.*file path"),
+        ({"timeline": "a\nb"}, "timeline='a\\\\nb'"),
     ],
 )
 def test_spec_validation(kwargs: dict[str, object], fragment: str) -> None:
     args: dict[str, object] = {"command": ("x",), **kwargs}
     with pytest.raises(ConfigError, match=fragment):
         LaunchSpec(**args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "horovodrun"])
+def test_timeline_reaches_every_rank(launcher: str) -> None:
+    spec = LaunchSpec(command=("x",), np=2, launcher=launcher, timeline="/tmp/tl.json")
+    cmd = build_command(spec, {"PATH": "/bin"})
+    assert cmd.env == {"PLAIT_BACKEND": "auto", "PLAIT_TIMELINE": "/tmp/tl.json"}
+    if launcher == "mpirun":  # mpirun forwards it to every host; horovodrun forwards its env
+        assert cmd.argv[cmd.argv.index("PLAIT_TIMELINE") - 1] == "-x"
+    assert "PLAIT_TIMELINE" not in build_command(LaunchSpec(command=("x",)), {}).env
+
+
+def test_dry_run_shows_the_timeline(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    argv = dry_run(capsys, "-np", "2", "--timeline", "tl.json", "--", "x")
+    assert f"PLAIT_TIMELINE={tmp_path / 'tl.json'}" in argv[:2]
+    assert argv[argv.index("PLAIT_TIMELINE") - 1] == "-x"
+    argv = dry_run(capsys, "--launcher", "horovodrun", "--timeline", "tl.json", "--", "x")
+    assert f"PLAIT_TIMELINE={tmp_path / 'tl.json'}" in argv[: argv.index("horovodrun")]
+    assert main(["--timeline", "", "--", "x"]) == 2
+    assert "timeline=''" in capsys.readouterr().err
 
 
 def test_forwarded_env_names() -> None:
@@ -186,17 +210,19 @@ def test_exit_status_propagates() -> None:
 
 
 @needs_mpirun
-def test_success_is_zero_and_env_is_forwarded() -> None:
-    code = "import os, sys; sys.stdout.write(os.environ['PLAIT_X'] + ' ' + os.environ['SEED'] + '\\n')"
+def test_success_is_zero_and_env_is_forwarded(tmp_path: Path) -> None:
+    code = ("import os, sys; sys.stdout.write(os.environ['PLAIT_X'] + ' ' + os.environ['SEED'] + "
+            "' ' + os.environ['PLAIT_TIMELINE'] + '\\n')")
     proc = subprocess.run(
         [sys.executable, "-m", "plait.launch.run", "-np", "2", "-x", "SEED=7", "--timeout", "40",
-         "--tag-output", "--", sys.executable, "-c", code],
-        capture_output=True, text=True, timeout=JOB_TIMEOUT,
+         "--timeline", "tl.json", "--tag-output", "--", sys.executable, "-c", code],
+        capture_output=True, text=True, timeout=JOB_TIMEOUT, cwd=tmp_path,
         env={**os.environ, **MPI_ENV, "PLAIT_X": "fwd"},
     )
     assert proc.returncode == 0, proc.stderr
     lines = sorted(proc.stdout.splitlines())
-    assert lines == ["[1,0]<stdout>:fwd 7", "[1,1]<stdout>:fwd 7"]
+    timeline = tmp_path / "tl.json"
+    assert lines == [f"[1,0]<stdout>:fwd 7 {timeline}", f"[1,1]<stdout>:fwd 7 {timeline}"]
 
 
 @needs_mpirun

@@ -10,7 +10,8 @@ __all__ = ["main"]
 _USAGE = """usage: plait {run,info} ...
 
   plait run [-np N] [-H h1:2,h2:2 | --hostfile F] [--launcher mpirun|horovodrun]
-            [--backend mpi|horovod] [--timeout S] [-x VAR]... [--dry-run] -- COMMAND...
+            [--backend mpi|horovod] [--timeout S] [-x VAR]... [--timeline FILE]
+            [--dry-run] -- COMMAND...
   plait info        versions of plait, Python, frameworks, MPI and Horovod
 """
 

@@ -28,6 +28,7 @@ __all__ = [
     "forwarded_env_names",
     "horovodrun_argv",
     "mpirun_argv",
+    "plait_env",
 ]
 
 #: Launchers ``plait run`` can drive.
@@ -80,6 +81,9 @@ class LaunchSpec:
         tag_output: prefix every output line with the rank (mpirun ``--tag-output``).
         env_vars: extra ``-x`` entries: ``NAME`` (forward) or ``NAME=VALUE`` (set).
         mca: extra Open MPI MCA parameters as ``(key, value)`` pairs.
+        timeline: a Chrome-trace file to record the job's collectives to, exported to
+            every rank as ``PLAIT_TIMELINE`` (each rank writes ``FILE.rankN`` and rank 0
+            merges them into ``FILE``; across hosts that needs a shared directory).
     """
 
     command: tuple[str, ...]
@@ -96,6 +100,7 @@ class LaunchSpec:
     tag_output: bool = False
     env_vars: tuple[str, ...] = ()
     mca: tuple[tuple[str, str], ...] = ()
+    timeline: str | None = None
 
     def __post_init__(self) -> None:
         if not self.command or not all(isinstance(a, str) for a in self.command):
@@ -133,6 +138,11 @@ class LaunchSpec:
                 raise invalid(
                     "mca", (key, mca_value), "(key, value) with key like btl_tcp_if_include"
                 )
+        if self.timeline is not None and (
+            not isinstance(self.timeline, str) or not self.timeline.strip()
+            or any(c in self.timeline for c in "\n\0")
+        ):
+            raise invalid("timeline", self.timeline, "a file path (e.g. 'timeline.json')")
         if self.mca and self.launcher != "mpirun":
             raise invalid("mca", self.mca, "() unless launcher='mpirun'")
 
@@ -187,6 +197,21 @@ def forwarded_env_names(env: Mapping[str, str], extra: Sequence[str] = ()) -> li
     return names
 
 
+def plait_env(spec: LaunchSpec) -> dict[str, str]:
+    """The variables plait sets for every rank of ``spec``'s job.
+
+    Args:
+        spec: what to launch.
+
+    Returns:
+        ``PLAIT_BACKEND``, and ``PLAIT_TIMELINE`` when ``spec.timeline`` is set.
+    """
+    env = {"PLAIT_BACKEND": spec.backend}
+    if spec.timeline is not None:
+        env["PLAIT_TIMELINE"] = spec.timeline
+    return env
+
+
 def mpirun_argv(
     spec: LaunchSpec, env: Mapping[str, str] | None = None, is_root: bool = False
 ) -> list[str]:
@@ -195,7 +220,8 @@ def mpirun_argv(
     Args:
         spec: what to launch.
         env: the environment mpirun will get (decides which ``-x`` are emitted);
-            ``None`` forwards only ``PLAIT_BACKEND`` and ``spec.env_vars``.
+            ``None`` forwards only plait's own variables (:func:`plait_env`) and
+            ``spec.env_vars``.
         is_root: add ``--allow-run-as-root``.
 
     Returns:
@@ -221,7 +247,7 @@ def mpirun_argv(
     for key, value in spec.mca:
         argv += ["--mca", key, value]
     env_with_backend = dict(env or {})
-    env_with_backend["PLAIT_BACKEND"] = spec.backend
+    env_with_backend.update(plait_env(spec))
     for name in forwarded_env_names(env_with_backend, spec.env_vars):
         argv += ["-x", name]
     return [*argv, "--", *spec.command]
@@ -268,10 +294,11 @@ def build_command(
         is_root: running as root (mpirun needs ``--allow-run-as-root``).
 
     Returns:
-        The argv and the environment additions (``PLAIT_BACKEND``, and for
+        The argv and the environment additions (``PLAIT_BACKEND``, ``PLAIT_TIMELINE``
+        with ``spec.timeline``, and for
         horovodrun the ``-x NAME=VALUE`` entries of ``spec.env_vars``).
     """
-    extra = {"PLAIT_BACKEND": spec.backend}
+    extra = plait_env(spec)
     if spec.launcher == "mpirun":
         return LaunchCommand(mpirun_argv(spec, env, is_root), extra)
     for entry in spec.env_vars:

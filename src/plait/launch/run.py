@@ -5,7 +5,7 @@ Usage::
     plait run [-np N] [-H host1:2,host2:2 | --hostfile FILE]
               [--launcher mpirun|horovodrun] [--backend mpi|horovod|auto]
               [--network-interface IF] [--timeout S] [--oversubscribe]
-              [-x VAR]... [--mca KEY VALUE]... [--dry-run]
+              [-x VAR]... [--mca KEY VALUE]... [--timeline FILE] [--dry-run]
               [--restarts R [--restart-backoff S] [--exclude-after K]] -- COMMAND...
 
 The launcher runs in its own process group; SIGINT and SIGTERM sent to
@@ -136,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="forward (or set) an environment variable on every rank")
     p.add_argument("--mca", nargs=2, action="append", default=[], metavar=("KEY", "VALUE"),
                    help="mpirun: extra MCA parameter")
+    p.add_argument("--timeline", metavar="FILE",
+                   help="record every rank's collectives to FILE (Chrome trace; sets "
+                        "PLAIT_TIMELINE on every rank)")
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
     p.add_argument("--restarts", type=_count, default=0, metavar="R",
                    help="relaunch a failed job up to R times (it resumes from its checkpoint)")
@@ -197,6 +200,7 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         tag_output=args.tag_output,
         env_vars=tuple(args.env_vars),
         mca=tuple((k, v) for k, v in args.mca),
+        timeline=args.timeline and os.path.abspath(args.timeline),  # "" stays (and is refused)
     )
 
 
