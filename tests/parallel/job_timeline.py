@@ -56,5 +56,6 @@ def test_stall_inspector_names_the_missing_rank():
     if comm.rank == 1:
         time.sleep(120)  # never submits "never.submitted"; the inspector must abort the job
     else:
+        print(f"stalled at {time.time():.3f}", flush=True)  # the outer test times the abort
         comm.allreduce(np.ones(2), op="sum", name="never.submitted")
     raise AssertionError("the stall inspector did not end the job")
