@@ -1,10 +1,14 @@
 """A parameter-server job whose last worker crashes mid-training (tests/test_jobs_async.py).
 
 The crashing rank's test fails; since asynchronous messages are in flight, the
-process aborts at exit and mpirun ends the job: no rank may hang.
+process aborts at exit and mpirun ends the job: no rank may hang. With
+``PLAIT_TEST_CRASH_STAMP`` set, the crashing rank writes the time of the crash there.
 """
 
 from __future__ import annotations
+
+import os
+import time
 
 import torch
 from conftest import make_comm
@@ -26,5 +30,9 @@ def test_worker_crash():
             opt.step()
             opt.zero_grad()
             if comm.rank == comm.size - 1 and step == 5:
+                stamp = os.environ.get("PLAIT_TEST_CRASH_STAMP")
+                if stamp:  # when it crashed, for the test's bound on the shutdown time
+                    with open(stamp, "w") as f:
+                        f.write(repr(time.time()))
                 raise RuntimeError("the last worker crashes on purpose")
     opt.synchronize()
