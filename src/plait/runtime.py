@@ -31,9 +31,23 @@ _RUNTIME = _Runtime()
 
 
 def started_by_horovodrun(env: Any = None) -> bool:
-    """True when horovodrun (Gloo or MPI mode) started this process."""
+    """True when horovodrun (Gloo or MPI mode) started this process.
+
+    In Gloo mode horovodrun gives every rank ``HOROVOD_RANK`` and friends. In MPI
+    mode it sets no variable of its own; it always runs Open MPI's ``mpirun`` with
+    ``-mca pml ob1 -mca btl ^openib``, which every rank sees as ``OMPI_MCA_pml`` and
+    ``OMPI_MCA_btl`` (a plain mpirun job with exactly these settings counts too).
+
+    Args:
+        env: the environment to look at (default: ``os.environ``).
+
+    Returns:
+        Whether the job looks started by horovodrun.
+    """
     env = os.environ if env is None else env
-    return any(k in env for k in ("HOROVOD_RANK", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_HOSTNAME"))
+    if any(k in env for k in ("HOROVOD_RANK", "HOROVOD_GLOO_RENDEZVOUS_ADDR", "HOROVOD_HOSTNAME")):
+        return True
+    return env.get("OMPI_MCA_pml") == "ob1" and env.get("OMPI_MCA_btl") == "^openib"
 
 
 def choose_backend(requested: str) -> str:
