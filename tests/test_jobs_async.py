@@ -1,7 +1,8 @@
 """Asynchronous data parallelism as real jobs (tests/parallel/job_async_*.py).
 
 torch on 2 and 3 ranks (3: parameter server with 1 server + 2 workers), Keras 3
-on 2 and 3 ranks (3: parameter server with 1 server + 2 workers), and a rank
+on 2 ranks (every algorithm) and 3 ranks (the point-to-point ones: parameter
+server with 1 server + 2 workers, gossip, SSP), and a rank
 that crashes mid-training: the job must end with an error within
 ``CRASH_TO_EXIT`` seconds of the crash, not hang until a timeout.
 """
@@ -17,6 +18,7 @@ JOBS = [
     ("mpirun", 2, "job_async_torch.py"),
     ("mpirun", 3, "job_async_torch.py"),
     ("mpirun", 2, "job_async_tf.py"),
+    ("mpirun", 3, "job_async_tf.py"),
 ]
 
 

@@ -158,6 +158,8 @@ def test_parameter_server_fast_worker_does_more_steps(comm):
     workers = [s for s in everyone if s["role"] == "worker"]
     server = everyone[0]
     assert server["role"] == "server" and server["steps"] == sum(w["steps"] for w in workers)
+    assert server["wait_seconds"] > 0, everyone  # it waits for the pushes of the slowed worker
+    assert all(w["updates"] == w["steps"] for w in workers), everyone  # one staleness per step
     if len(workers) > 1:
         assert workers[0]["steps"] > workers[-1]["steps"], everyone
 
