@@ -20,7 +20,6 @@ import os
 import numpy as np
 
 import plait
-from plait.parallel.pipeline import Pipeline
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -72,8 +71,8 @@ def main() -> None:
     mesh = plait.Mesh(dp=args.dp, pp=world.size // args.dp, comm=world)
     xtr, ytr, xte, yte = load()
     model, loss_fn, optimizer = build(args.framework, args.lr)
-    pipe = Pipeline(model, microbatches=args.microbatches, schedule=args.schedule, comm=mesh,
-                    loss_fn=loss_fn, optimizer=optimizer)
+    pipe = plait.Pipeline(model, microbatches=args.microbatches, schedule=args.schedule, comm=mesh,
+                          loss_fn=loss_fn, optimizer=optimizer)
     if world.rank == 0:
         print(f"{pipe!r} on {mesh!r}")
 
