@@ -3,13 +3,15 @@
 A Horovod elastic script with ``import plait.torch as hvd``: plait's optimizer on the
 Horovod backend, ``hvd.elastic.TorchState`` carrying a plait state object, and
 ``hvd.elastic.run``. Run by ``horovodrun --host-discovery-script`` (not a pytest file). Rank 0
-rewrites the discovery file (HVD_HOSTS) to add a slot at step HVD_ADD and remove it
+rewrites the discovery file (HVD_HOSTS, lines ``host:slots``) to HVD_GROWN (default
+``localhost:3``: one more slot or host) at step HVD_ADD and back to its first content
 at step HVD_REMOVE; training continues across both changes and finishes.
 """
 
 from __future__ import annotations
 
 import os
+import socket
 import time
 from typing import Any
 
@@ -27,6 +29,8 @@ def main() -> None:
     steps = int(os.environ.get("HVD_STEPS", "14"))
     add_at, remove_at = int(os.environ["HVD_ADD"]), int(os.environ["HVD_REMOVE"])
     hosts_file = os.environ["HVD_HOSTS"]
+    with open(hosts_file) as f:
+        hosts = {add_at: os.environ.get("HVD_GROWN", "localhost:3\n"), remove_at: f.read()}
     with np.load(os.environ["FT_DATA"]) as data:
         x_all = torch.tensor(data["x"] / 16.0, dtype=torch.float32)
         y_all = torch.tensor(data["y"], dtype=torch.int64)
@@ -56,15 +60,14 @@ def main() -> None:
             state.step += 1
             if rank == 0:
                 print(f"HVD step={state.step} size={size}", flush=True)
-                if state.step in (add_at, remove_at):
-                    slots = 3 if state.step == add_at else 2
+                if state.step in hosts:
                     with open(hosts_file + ".tmp", "w") as f:
-                        f.write(f"localhost:{slots}\n")
+                        f.write(hosts[state.step])
                     os.replace(hosts_file + ".tmp", hosts_file)
             if size == 3 and rank == 2 and not os.environ.get("HVD_JOINED_REPORTED"):
                 os.environ["HVD_JOINED_REPORTED"] = "1"
-                print(f"HVD joined rank=2 step={state.step} seen={memory.residuals['seen'].item()}",
-                      flush=True)
+                print(f"HVD joined rank=2 step={state.step} seen={memory.residuals['seen'].item()} "
+                      f"host={socket.gethostname()}", flush=True)
             state.commit()
             time.sleep(float(os.environ.get("HVD_SLEEP", "0.5")))
 
