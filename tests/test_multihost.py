@@ -35,11 +35,14 @@ from pathlib import Path
 import pytest
 from jobs import ROOT, pytest_argv
 
+from plait.launch.run import KILL_GRACE_S
 from plait.testing.netns import EmulatedHosts
 
 pytestmark = pytest.mark.timeout(600)
 
 JOB_S = 300  # plait run / mpirun --timeout of a normal job (generous: 2 shared cores)
+KILLED_RANK_S = 30  # a killed rank ends the job within this (its PLAIT_TIMEOUT is 60)
+LINK_MARGIN_S = 10  # a dead link: --timeout + kill grace + this
 HARD_S = 360  # harness kill of a normal job (kills its whole process group)
 VENV_BIN = str(Path(sys.executable).parent)
 MULTIHOST_JOB = str(ROOT / "tests" / "parallel" / "job_multihost.py")
@@ -264,19 +267,24 @@ def fail_mid_job(hosts: EmulatedHosts, tmp_path: Path, job_timeout: int, action:
 
 
 def test_killed_rank_ends_the_job_naming_it(two_hosts: EmulatedHosts, tmp_path: Path) -> None:
-    status, stderr, _ = fail_mid_job(two_hosts, tmp_path, job_timeout=60, action="kill",
-                                     extra_env={"PLAIT_TIMEOUT": "60"})
+    status, stderr, elapsed = fail_mid_job(two_hosts, tmp_path, job_timeout=60, action="kill",
+                                           extra_env={"PLAIT_TIMEOUT": "60"})
     assert status is not None, "the job hung: the harness had to kill it"
     assert status not in (0, 124), (status, stderr)  # failed by itself, before --timeout
+    # seconds, not the collective timeout: Open MPI sees the death and ends the job
+    assert elapsed < KILLED_RANK_S, (elapsed, stderr)
     assert "rank 1" in stderr and two_hosts.hosts[1] in stderr and "signal 9" in stderr, stderr
 
 
 def test_downed_link_ends_the_job_with_a_collective_timeout(tmp_path: Path) -> None:
     with EmulatedHosts(2) as hosts:  # its own hosts: the link goes down
-        status, stderr, _ = fail_mid_job(hosts, tmp_path, job_timeout=20, action="link",
-                                         extra_env={"PLAIT_TIMEOUT": "4"})
+        status, stderr, elapsed = fail_mid_job(hosts, tmp_path, job_timeout=20, action="link",
+                                               extra_env={"PLAIT_TIMEOUT": "4"})
     assert status is not None, "the job hung: the harness had to kill it"
     assert status != 0, stderr
+    # at the latest plait run's --timeout (counted from the job's start, before the link went
+    # down) plus its SIGTERM-to-SIGKILL grace, and a margin for 2 shared cores
+    assert elapsed < 20 + KILL_GRACE_S + LINK_MARGIN_S, (elapsed, stderr)
     # the survivors give up after PLAIT_TIMEOUT and say why; Open MPI cannot then reach the
     # cut-off host to end the job, so plait run's --timeout ends it (status 124)
     assert "CollectiveTimeoutError" in stderr and "waited 4s" in stderr, stderr
