@@ -101,6 +101,7 @@ class CommunicatorBase:
         self.check = bool(check)
         self.timeout = float(timeout)
         self.adasum = False
+        self._call: Call | None = None  # the last call checked
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} backend={self.backend} rank={self.rank} size={self.size}>"
@@ -119,6 +120,7 @@ class CommunicatorBase:
 
     def _verify(self, call: Call) -> None:
         if self.check and self.size > 1:
+            self._call = call  # named if the check times out
             verify(call, self._raw_min, self._raw_allgather_rows,
                    f"the {self.backend} communicator of size {self.size}")
 

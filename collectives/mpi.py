@@ -95,7 +95,6 @@ class MPICommunicator(CommunicatorBase):
         self.size = self.comm.Get_size()
         self._half_ops: dict[tuple[str, str], Any] = {} if _ops_cache is None else _ops_cache
         self._calls = 0  # bounded collective waits so far (the "#k" of the timeout report)
-        self._call: Call | None = None  # the call being checked, named on a timeout
         self._asked = 0  # timeouts reported so far (the id of each "who is waiting?")
         self._answers: list[Any] = []  # answers in flight
         self._topology()
@@ -127,10 +126,6 @@ class MPICommunicator(CommunicatorBase):
         self._calls += 1
         seq = self._calls
         self._wait_until(req.Test, lambda: self._timeout_report(what, seq), seq)
-
-    def _verify(self, call: Call) -> None:
-        self._call = call
-        super()._verify(call)
 
     # -- timeout report ----------------------------------------------------------------
     def _answer(self, seq: int) -> dict[int, int]:
