@@ -303,7 +303,8 @@ def test_mesh_bad_batch_on_one_replica_raises_on_every_rank(comm):
     mesh = Mesh(dp=2, pp=2, comm=comm)
     pipe = make_pipeline("torch", mesh, microbatches=2)
     x, y = batch("torch", 0, slice(0, 12 if mesh.coords["dp"] == 0 else 11))
-    with pytest.raises(PartitionError, match="with 11 rows on rank 2: microbatches must divide"):
+    # world rank 1 is (dp=1, pp=0) in the default "tp-dp-pp" order: the first one given 11 rows
+    with pytest.raises(PartitionError, match="with 11 rows on rank 1: microbatches must divide"):
         pipe.train_step(x, y)
     comm.barrier()
     pipe.close()
