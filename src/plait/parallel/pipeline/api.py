@@ -10,6 +10,14 @@ when built on a :class:`plait.Mesh`, steps the optimizer and returns the loss
 on every rank. The framework glue is picked by the model's type
 (``plait.adapters.torch_pipeline`` or ``plait.adapters.keras_pipeline``).
 
+On a ``plait.Mesh(dp=, pp=, tp=)`` every tensor-parallel rank runs its own
+pipeline over ``mesh.pipeline`` with its shards of the stage's layers (layers
+sharded beforehand by ``plait.TensorParallel(plan, comm=mesh.tensor)``, whose
+collectives run inside the stage); the gradients are averaged over
+``mesh.data``. Before each step all ranks of the job gather every rank's batch
+sizes (one small allgather), so a bad batch is the same error everywhere, also
+on a middle stage that is given no batch, instead of a rank waiting forever.
+
 Example (torch, 2 ranks)::
 
     pipe = plait.Pipeline(torch.nn.Sequential(...), stages=2, microbatches=4,
