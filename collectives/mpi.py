@@ -172,7 +172,10 @@ class MPICommunicator(CommunicatorBase):
         head = f"waited {self.timeout:g}s for the other ranks to reach {what} (collective #{seq})"
         if self.size < 2:
             return head
-        heard = self._who_waits(seq)
+        try:
+            heard = self._who_waits(seq)
+        except MPI.Exception as exc:  # e.g. a peer's link is gone: report what is known
+            return f"{head}; could not ask the other ranks where they wait ({exc})"
         missing = [r for r in range(self.size) if r != self.rank and r not in heard]
         here = [self.rank] + sorted(r for r, s in heard.items() if s == seq)
         parts = [f"{_ranks(sorted(here))} of this group waited in it"]
