@@ -15,7 +15,7 @@ delayed, gossip) need equal step counts, so their workers agree on stopping with
 a one-integer allreduce every ``period`` steps; SSP and the parameter server stop
 on each worker's own clock.
 
-    python benchmarks/async_dp.py [--quick] [--out BASE] [--seconds S]
+    python benchmarks/async_dp.py [--quick|--smoke] [--out BASE] [--seconds S]
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ def worker(args: argparse.Namespace) -> None:
 def main() -> None:
     args = parse_args(__doc__.splitlines()[0], extra=_extra)
     if not args.seconds:
-        args.seconds = 2.0 if args.quick else 8.0
+        args.seconds = 0.5 if args.smoke else 2.0 if args.quick else 8.0
     if not args.worker:
         args.np = 3
         raise SystemExit(launch(__file__, args, forward=["--seconds", str(args.seconds),

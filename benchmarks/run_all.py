@@ -8,7 +8,8 @@ each benchmark's tables (which state min/median/max over repeats), a summary of
 plait's ratios to its peers, and PNG plots where the data exists: allreduce
 bus bandwidth vs size, step time per compressor, pipeline bubble vs micro-batches.
 
-Run: ``python benchmarks/run_all.py [--quick] [--only a,b] [--report PATH] [--report-only]``.
+Run: ``python benchmarks/run_all.py [--quick] [--only a,b] [--report PATH] [--results DIR]
+[--report-only]``.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def discover() -> list[str]:
 
 def run_one(name: str, quick: bool, timeout: float) -> dict[str, Any]:
     """Run one benchmark; returns its status, seconds and the output's tail."""
-    cmd = [sys.executable, str(BENCH_DIR / f"{name}.py"), *(["--quick"] if quick else [])]
+    cmd = [sys.executable, str(BENCH_DIR / f"{name}.py"), "--out", str(RESULTS / name),
+           *(["--quick"] if quick else [])]
     print(f"== {name}: {' '.join(cmd[1:])}", flush=True)
     t0 = time.monotonic()
     try:
@@ -264,6 +266,7 @@ def write_report(path: Path, runs: list[dict[str, Any]], before: dict[str, Any],
 
 
 def main(argv: list[str] | None = None) -> int:
+    global RESULTS
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="pass --quick to every benchmark")
     p.add_argument("--only", default="", help="comma-separated benchmark names")
@@ -271,8 +274,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=0,
                    help="seconds per benchmark (default 600 with --quick, else 3600)")
     p.add_argument("--report-only", action="store_true",
-                   help="run nothing: rebuild the report and plots from benchmarks/results/")
+                   help="run nothing: rebuild the report and plots from the results folder")
+    p.add_argument("--results", default=str(RESULTS),
+                   help="folder of the NAME.json/NAME.md results and the plots (default "
+                        "benchmarks/results)")
     args = p.parse_args(argv)
+    RESULTS = Path(args.results).resolve()
     if args.report_only:
         write_report(Path(args.report), [], machine(), plait_info(), args.quick)
         return 0

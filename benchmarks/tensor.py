@@ -15,7 +15,7 @@ Communication is counted by a wrapper around the tensor-parallel communicator
 the analytic value: 2 allreduces of the ``B x H`` activation per block (forward
 of ``fc2``, backward of ``fc1``'s input). Reported, not asserted.
 
-Run: ``python benchmarks/tensor.py [--quick] [--out BASE] [--np N]``.
+Run: ``python benchmarks/tensor.py [--quick|--smoke] [--out BASE] [--np N]``.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def worker(args: Any) -> None:
     torch.set_num_threads(1)
     world = MPICommunicator(MPI.COMM_WORLD.Dup(), timeout=300)
     width, blocks, batch = (256, 2, 32) if args.quick else (1024, 4, 64)
-    iters, repeats = (3, 3) if args.quick else (5, 5)
+    iters, repeats = (1, 2) if args.smoke else (3, 3) if args.quick else (5, 5)
     x = torch.randn(batch, width, generator=torch.Generator().manual_seed(1))
     target = torch.randn(batch, width, generator=torch.Generator().manual_seed(2))
 

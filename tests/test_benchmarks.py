@@ -1,24 +1,76 @@
-"""The benchmark harnesses run and write every row (correctness, not speed)."""
+"""Every ``benchmarks/*.py`` runs in its smallest mode (``--smoke``, which implies ``--quick``)
+and writes every row and column; ``run_all.py --report-only`` builds a report from them.
+Correctness of the harnesses, not speed. Outputs go to temporary folders, never to
+``benchmarks/results`` or ``benchmarks/REPORT.md``.
+"""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
+import time
+from pathlib import Path
+from types import ModuleType
+from typing import Any
 
+import pytest
 from jobs import ROOT, mpi_env
 
+from plait.testing.netns import unavailable_reason
+
 BENCH = ROOT / "benchmarks"
+#: each benchmark's table header (its markdown must contain it)
+HEADERS = {
+    "compression": "| backend | compression | ms/step | speedup | wire MiB/step | ratio | tx MiB/step "
+                   "| accuracy % | vs uncompressed |",
+    "async_dp": "| mode | samples/s | x sync | steps (fast, slow) | accuracy % | Δ acc | max staleness |",
+    "pipeline": "| schedule | M | step ms | samples/s | vs naive M=1 | bubble measured | bubble theory "
+                "| bubble sim | peak live | peak live sim |",
+    "tensor": "| variant | ranks | params/rank | step (median, s) | step min-max (s) | comm/rank/step "
+              "| analytic |",
+}
 
 
-def _run(script: str, out, *args: str, timeout: float = 600) -> dict:
+def _module(name: str) -> ModuleType:
+    sys.path.insert(0, str(BENCH))
+    try:
+        return importlib.import_module(name)
+    finally:
+        sys.path.remove(str(BENCH))
+
+
+def _run(script: str, out: Path, *args: str, timeout: float = 600) -> dict[str, Any]:
+    began = time.monotonic()
     proc = subprocess.run([sys.executable, str(BENCH / script), "--smoke", "--out", str(out), *args],
                           cwd=ROOT, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, timeout=timeout)
+    print(f"\n[benchmarks] {script} --smoke: {time.monotonic() - began:.0f}s")
     assert proc.returncode == 0, proc.stdout[-6000:]
-    data = json.loads(out.with_suffix(".json").read_text())
-    assert out.with_suffix(".md").read_text().startswith("## ")
+    data: dict[str, Any] = json.loads(out.with_suffix(".json").read_text())
+    md = out.with_suffix(".md").read_text()
+    assert md.startswith("#"), md[:200]
+    name = Path(script).stem
+    if name in HEADERS:
+        assert HEADERS[name] in md, md
+        # one table line per row, each with as many cells as the header
+        cells = HEADERS[name].count("|")
+        lines = [line for line in md.splitlines() if line.startswith("|") and line.count("|") == cells]
+        assert len(lines) == 2 + len(data["rows"]), md  # header, separator, rows
+    assert data["benchmark"] == name and data["meta"]["quick"] is True
     return data
+
+
+def _snapshot() -> dict[Path, int]:
+    """benchmarks/REPORT.md and benchmarks/results/*: path -> modification time."""
+    paths = [BENCH / "REPORT.md", *(BENCH / "results").glob("*")]
+    return {p: p.stat().st_mtime_ns for p in paths if p.exists()}
+
+
+def _has_stats(value: dict[str, Any], n: int | None = None) -> None:
+    assert 0 < value["min"] <= value["median"] <= value["max"], value
+    assert n is None or value["n"] == n, value
 
 
 def test_allreduce_benchmark_has_every_row(tmp_path):
@@ -52,3 +104,89 @@ def test_dp_step_benchmark_has_every_row(tmp_path):
             assert 4e6 < r["params"] < 6e6
     assert {(r["framework"], r["impl"]) for r in data["ratios"]} == {
         (f, i) for f in ("torch", "tensorflow") for i in ("plait-mpi", "plait-horovod")}
+
+
+@pytest.mark.skipif(unavailable_reason(need_tc=True) is not None,
+                    reason=str(unavailable_reason(need_tc=True)))
+def test_compression_benchmark_has_every_row(tmp_path: Path) -> None:
+    """Two emulated hosts at 1 Gbit/s (root: network namespaces and tc)."""
+    compression = _module("compression")
+    data = _run("compression.py", tmp_path / "cmp")
+    rows = data["rows"]
+    assert [r["name"] for r in rows] == [*compression.QUICK, *compression.DDP[::2]]
+    assert data["meta"]["steps"] == 3 and data["meta"]["warmup"] == 2
+    for r in rows:
+        assert r["step_s"] > 0 and r["timed_steps"] == 1 and 0 <= r["accuracy"] <= 100
+        assert r["speedup_vs_uncompressed"] > 0 and r["accuracy_delta"] is not None
+        assert len(r["tx_bytes_per_step_by_rank"]) == 2
+        # the gradients cross the emulated link (eth0's counter): for plait rows at least
+        # about what the compressor handed to the collectives
+        assert r["tx_bytes_per_step"] > 10_000, r
+        if r["kind"] == "plait":
+            assert 0 < r["wire_bytes_per_step"] <= r["raw_bytes_per_step"]
+            assert r["tx_bytes_per_step"] >= r["wire_bytes_per_step"] / 2, r
+    by = {r["name"]: r for r in rows}
+    assert by["none"]["wire_bytes_per_step"] == by["none"]["raw_bytes_per_step"]
+    assert by["topk 1% + EF"]["wire_bytes_per_step"] < by["none"]["wire_bytes_per_step"] / 20
+
+
+def test_async_dp_benchmark_has_every_row(tmp_path: Path) -> None:
+    async_dp = _module("async_dp")
+    data = _run("async_dp.py", tmp_path / "adp")
+    rows = data["rows"]
+    assert [r["mode"] for r in rows] == list(async_dp.MODES)
+    assert data["meta"]["seconds"] == 0.5
+    for r in rows:
+        assert r["throughput"] > 0 and r["wall_s"] >= 0.5 and 0 <= r["accuracy"] <= 100
+        assert len(r["steps_per_worker"]) == 2 and min(r["steps_per_worker"]) > 0
+        assert (r["metrics"] is None) == (r["mode"] == "sync")
+    assert rows[0]["speedup_vs_sync"] == 1.0
+
+
+def test_pipeline_benchmark_has_every_row(tmp_path: Path) -> None:
+    data = _run("pipeline.py", tmp_path / "pipe")
+    got = {(r["schedule"], r["microbatches"]) for r in data["rows"]}
+    # --smoke: M in (1, 4); interleaved (2 chunks per rank) needs M a multiple of the 2 stages
+    assert got == {("gpipe", 1), ("gpipe", 4), ("1f1b", 1), ("1f1b", 4), ("interleaved", 4)}
+    for r in data["rows"]:
+        _has_stats(r["step_s"], 1)
+        assert r["stages"] == 2 and r["samples_per_s"] > 0
+        assert 0 <= r["bubble_theory"] < 1 and r["bubble_theory"] == pytest.approx(r["bubble_simulated"])
+        assert 1 <= r["peak_live_measured"] and r["peak_live_measured"] == r["peak_live_simulated"]
+
+
+def test_tensor_benchmark_has_every_row(tmp_path: Path) -> None:
+    data = _run("tensor.py", tmp_path / "tp")
+    dense, tp = data["rows"]
+    assert (dense["variant"], tp["variant"]) == ("dense", "tp=2")
+    _has_stats(dense["step_s"], 2)
+    _has_stats(tp["step_s"], 2)
+    # the sharded model holds about half the parameters per rank; traffic is as analysed
+    assert tp["param_bytes_per_rank"] < 0.75 * dense["param_bytes_per_rank"]
+    assert tp["comm_bytes_per_step"] == tp["analytic_bytes_per_step"] > 0
+
+
+def test_run_all_report_only_writes_a_report_elsewhere(tmp_path: Path) -> None:
+    """``run_all.py --report-only --results DIR --report PATH`` on results made here (the
+    pipeline's, which has a plot): the report names the machine, versions, the section and
+    the plot, and nothing under benchmarks/ changes."""
+    results = tmp_path / "results"
+    _run("pipeline.py", results / "pipeline")
+    before = _snapshot()
+    report = tmp_path / "REPORT.md"
+    began = time.monotonic()
+    proc = subprocess.run([sys.executable, str(BENCH / "run_all.py"), "--report-only", "--results",
+                           str(results), "--report", str(report)], cwd=ROOT, env=mpi_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=600)
+    print(f"\n[benchmarks] run_all.py --report-only: {time.monotonic() - began:.0f}s")
+    assert proc.returncode == 0, proc.stdout[-4000:]
+    text = report.read_text()
+    for heading in ("# plait benchmark report", "## Machine", "## Versions", "## Noise", "## Plots",
+                    "## pipeline"):
+        assert heading in text, text
+    assert HEADERS["pipeline"] in text, text
+    assert (results / "pipeline_bubble.png").stat().st_size > 0
+    assert "](results/pipeline_bubble.png)" in text, text  # relative to the report
+    for name in ("allreduce", "dp_step", "compression", "async_dp", "tensor"):
+        assert f"## {name}\n" not in text  # only what the results folder holds
+    assert _snapshot() == before
