@@ -4,7 +4,7 @@ np=2: every schedule x framework against the serial model, balance modes,
 activation recomputation, predict, the Horovod backend and the errors;
 np=3: every schedule on three stages, a bad batch given only to the end stages
 (the middle stage must raise too, not hang) and the timeline of one step;
-np=4: a dp=2 x pp=2 mesh.
+np=4: a dp=2 x pp=2 mesh, and a pp=2 x tp=2 mesh with TensorParallel stages (torch, Keras).
 """
 
 from __future__ import annotations
