@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import keras
@@ -14,7 +15,8 @@ from plait.protocols import Communicator
 from .tf_optim import broadcast_variables
 
 __all__ = [
-    "BroadcastGlobalVariablesCallback", "CommitStateCallback", "LearningRateWarmupCallback",
+    "BroadcastGlobalVariablesCallback", "CommitStateCallback", "LearningRateScheduleCallback",
+    "LearningRateWarmupCallback",
     "MetricAverageCallback", "UpdateBatchStateCallback", "UpdateEpochStateCallback",
 ]
 
@@ -58,41 +60,144 @@ class MetricAverageCallback(keras.callbacks.Callback):
         logs.update(average_metrics(numeric, self._comm))
 
 
-class LearningRateWarmupCallback(keras.callbacks.Callback):
+class LearningRateScheduleCallback(keras.callbacks.Callback):
+    """Set the learning rate to ``initial_lr * multiplier(epoch)`` between ``start_epoch``
+    and ``end_epoch`` (Horovod's callback of the same name).
+
+    With ``staircase`` the rate changes at the first batch of each epoch (``multiplier``
+    gets the integer epoch); otherwise at every batch, with the fractional epoch
+    ``epoch + batch / steps_per_epoch``. A constant ``multiplier`` means exponential
+    decay: ``multiplier ** (epoch - start_epoch)``.
+
+    Momentum correction (Goyal et al.) scales the optimizer's momentum by
+    ``new_lr / old_lr`` for the batch where the rate changes. It needs a momentum the
+    compiled train step reads at run time (a variable); Keras 3's built-in optimizers
+    keep it as a Python number fixed when the step is traced, so for them a warning
+    says it is not applied.
+
+    Args:
+        initial_lr: the base learning rate.
+        multiplier: a function of the (fractional) epoch, or a constant.
+        comm: the data-parallel communicator.
+        start_epoch: first epoch adjusted.
+        end_epoch: first epoch no longer adjusted (None: never stop).
+        staircase: adjust once per epoch instead of every batch.
+        momentum_correction: scale momentum with the rate change.
+        steps_per_epoch: batches per epoch (default: from ``fit``'s parameters).
+
+    Raises:
+        ConfigError: for a missing ``initial_lr``.
+    """
+
+    def __init__(self, initial_lr: float, multiplier: Any, comm: Communicator,
+                 start_epoch: int = 0, end_epoch: float | None = None, staircase: bool = True,
+                 momentum_correction: bool = True, steps_per_epoch: int | None = None) -> None:
+        super().__init__()
+        if initial_lr is None:
+            raise invalid("initial_lr", initial_lr, "the base learning rate (a number)")
+        self.initial_lr, self.start_epoch, self.end_epoch = float(initial_lr), start_epoch, end_epoch
+        self.staircase, self.momentum_correction = staircase, momentum_correction
+        self.steps_per_epoch, self._comm = steps_per_epoch, comm
+        if callable(multiplier):
+            self.multiplier = multiplier
+        else:
+            self.multiplier = lambda epoch: float(multiplier) ** (epoch - start_epoch)
+        self.current_epoch = 0
+        self._restore_momentum: Any = None
+        self._warned = False
+
+    def _optimizer(self) -> Any:
+        model: Any = self.model
+        return model.optimizer
+
+    def on_train_begin(self, logs: Any = None) -> None:
+        if not self.staircase and not self.steps_per_epoch:
+            steps = self.params.get("steps")
+            if not steps:
+                raise invalid("steps_per_epoch", self.steps_per_epoch,
+                              "the number of batches per epoch (fit could not tell it)")
+            self.steps_per_epoch = int(steps)
+
+    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
+        self.current_epoch = epoch
+
+    def _adjust(self, epoch: float) -> None:
+        optimizer = self._optimizer()
+        old_lr = float(np.asarray(optimizer.learning_rate))
+        new_lr = self.initial_lr * self.multiplier(epoch)
+        optimizer.learning_rate = new_lr
+        momentum = getattr(optimizer, "momentum", None)
+        if not self.momentum_correction or momentum is None or old_lr == 0:
+            return
+        if isinstance(momentum, (int, float)) and momentum == 0:
+            return  # no momentum to correct
+        if hasattr(momentum, "assign"):
+            self._restore_momentum = float(np.asarray(momentum))
+            momentum.assign(self._restore_momentum * new_lr / old_lr)
+        elif not self._warned:
+            self._warned = True
+            warnings.warn(f"{type(self).__name__}: momentum correction not applied: "
+                          f"{type(optimizer).__name__}.momentum is a constant of the compiled "
+                          "train step (pass momentum_correction=False to silence this)",
+                          stacklevel=2)
+
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        epoch = self.current_epoch
+        if epoch < self.start_epoch or (self.end_epoch is not None and epoch >= self.end_epoch):
+            return
+        if self.staircase and batch == 0:
+            self._adjust(epoch)
+        elif not self.staircase:
+            self._adjust(epoch + float(batch) / float(self.steps_per_epoch or 1))
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self._restore_momentum is not None:
+            self._optimizer().momentum.assign(self._restore_momentum)
+            self._restore_momentum = None
+
+    def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
+        if logs is not None:
+            logs["lr"] = float(np.asarray(self._optimizer().learning_rate))
+
+
+class LearningRateWarmupCallback(LearningRateScheduleCallback):
     """Ramp the learning rate from ``initial_lr / size`` to ``initial_lr`` over the
     first ``warmup_epochs`` (Goyal et al.; Horovod's callback of the same name).
+
+    Per batch, ``lr = initial_lr / size * (e * (size - 1) / warmup_epochs + 1)`` with
+    ``e = epoch + (batch + 1) / steps_per_epoch``, so the last warm-up batch runs at
+    exactly ``initial_lr``; afterwards the rate is left alone.
 
     Args:
         initial_lr: the target (already size-scaled) learning rate.
         comm: the data-parallel communicator.
         warmup_epochs: epochs of warm-up.
+        momentum_correction: scale momentum with the rate change (see the base class).
         steps_per_epoch: batches per epoch (default: from ``fit``'s params).
         verbose: print the rate at the end of warm-up on rank 0.
     """
 
     def __init__(self, initial_lr: float, comm: Communicator, warmup_epochs: float = 5,
-                 steps_per_epoch: int | None = None, verbose: int = 0) -> None:
-        super().__init__()
-        self.initial_lr, self.warmup_epochs = float(initial_lr), float(warmup_epochs)
-        self.steps_per_epoch, self.verbose, self._comm = steps_per_epoch, verbose, comm
-        self._epoch = 0
+                 momentum_correction: bool = True, steps_per_epoch: int | None = None,
+                 verbose: int = 0) -> None:
+        if not warmup_epochs > 0:
+            raise invalid("warmup_epochs", warmup_epochs, "a number of epochs > 0")
 
-    def on_epoch_begin(self, epoch: int, logs: Any = None) -> None:
-        self._epoch = epoch
+        def multiplier(epoch: float) -> float:
+            epoch += 1.0 / float(self.steps_per_epoch or 1)
+            size = comm.size
+            return 1.0 / size * (epoch * (size - 1) / warmup_epochs + 1)
 
-    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
-        steps = self.steps_per_epoch or self.params.get("steps") or 1
-        progress = self._epoch + batch / steps
-        if progress > self.warmup_epochs:
-            return
-        size = self._comm.size
-        lr = self.initial_lr / size * (progress * (size - 1) / self.warmup_epochs + 1)
-        model: Any = self.model
-        model.optimizer.learning_rate.assign(lr)
+        super().__init__(initial_lr, multiplier, comm, start_epoch=0, end_epoch=warmup_epochs,
+                         staircase=False, momentum_correction=momentum_correction,
+                         steps_per_epoch=steps_per_epoch)
+        self.warmup_epochs, self.verbose = warmup_epochs, verbose
 
     def on_epoch_end(self, epoch: int, logs: Any = None) -> None:
-        if epoch + 1 == int(self.warmup_epochs) and self.verbose and self._comm.rank == 0:
-            print(f"\nEpoch {epoch + 1}: finished learning-rate warm-up to {self.initial_lr:g}.")
+        super().on_epoch_end(epoch, logs)
+        if epoch == self.warmup_epochs - 1 and self.verbose > 0 and self._comm.rank == 0:
+            lr = float(np.asarray(self._optimizer().learning_rate))
+            print(f"\nEpoch {epoch + 1}: finished gradual learning rate warmup to {lr:g}.")
 
 
 # -- Horovod elastic (state objects from plait.collectives.horovod_elastic_tf) -------------

@@ -15,8 +15,8 @@ from .errors import ConfigError, invalid
 from .protocols import Communicator, Handle
 
 __all__ = [
-    "Adasum", "Average", "Face", "Max", "Min", "Product", "Sum", "elastic_attribute", "reduce_tensor",
-    "resolve_op",
+    "Adasum", "Average", "Face", "Max", "Min", "Product", "Sum", "check_groups", "elastic_attribute",
+    "gradient_compression", "reduce_tensor", "resolve_op",
 ]
 
 Average, Sum, Adasum, Min, Max, Product = "average", "sum", "adasum", "min", "max", "product"
@@ -49,6 +49,50 @@ def reduce_tensor(comm: Communicator, tensor: Any, op: str, name: str | None, co
         out = compressed_allreduce(comm, tensor, name or "allreduce", compression,
                                    average=op == Average)
     return out * postscale_factor if postscale_factor != 1.0 else out
+
+
+def gradient_compression(compression: Any, memory: Any) -> tuple[Any, Any]:
+    """A face's ``compression=`` / ``memory=`` pair, checked as ``DataParallel`` checks it.
+
+    Args:
+        compression: ``Compression.none`` (or None) or any plait compressor.
+        memory: an error-feedback memory (e.g. ``plait.compression.Residual()``) or None.
+
+    Returns:
+        ``(compressor or None, memory or None)``; None for no compression.
+
+    Raises:
+        ConfigError: for a memory without a lossy compressor, or an unknown name.
+        PlaitTypeError: for a value of another type.
+    """
+    from .compression import NoneCompressor, check_settings
+
+    compressor, memory = check_settings(compression, memory)
+    return (None if isinstance(compressor, NoneCompressor) else compressor), memory
+
+
+def check_groups(groups: Any, num_groups: int) -> None:
+    """Validate Horovod's explicit allreduce grouping (``groups`` / deprecated ``num_groups``).
+
+    plait accepts them for compatibility: grouping only changes how allreduces are
+    batched, never the result, and plait fuses gradients by ``bucket_mb`` instead.
+
+    Args:
+        groups: None, a positive number of groups, or a list of lists of variables.
+        num_groups: Horovod's deprecated spelling of an integer ``groups`` (0: none).
+
+    Raises:
+        ConfigError: for a negative ``num_groups`` or a ``groups`` of another kind.
+    """
+    if isinstance(num_groups, bool) or not isinstance(num_groups, int) or num_groups < 0:
+        raise invalid("num_groups", num_groups, "an integer >= 0 (deprecated; use groups=)")
+    if groups is None:
+        return
+    if isinstance(groups, list) and all(isinstance(g, (list, tuple)) for g in groups):
+        return
+    if isinstance(groups, int) and not isinstance(groups, bool) and groups > 0:
+        return
+    raise invalid("groups", groups, "None, an integer > 0 or a list of lists of variables")
 
 
 def elastic_attribute(face: str, module: str) -> Callable[[str], Any]:

@@ -11,8 +11,20 @@ from typing import Any
 from plait.adapters import keras_callbacks as _cb
 from plait.adapters import tf_optim
 
-from ._face import Adasum, Average, Face, Max, Min, Product, Sum, elastic_attribute
+from ._face import (
+    Adasum,
+    Average,
+    Face,
+    Max,
+    Min,
+    Product,
+    Sum,
+    check_groups,
+    elastic_attribute,
+    gradient_compression,
+)
 from .compression import Compression
+from .errors import invalid
 from .parallel.data import DEFAULT_BUCKET_MB
 from .protocols import Communicator
 from .tensorflow import allgather, allreduce, broadcast, broadcast_variables
@@ -30,37 +42,96 @@ backend = _F.backend
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name
-    optimizer: Any, name: str | None = None, compression: Any = Compression.none,
-    op: str = Average, process_set: Communicator | None = None,
-    bucket_mb: float = DEFAULT_BUCKET_MB, **horovod_options: Any,
+    optimizer: Any, name: str | None = None, device_dense: str = "", device_sparse: str = "",
+    compression: Any = Compression.none, sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0, op: str = Average, backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
+    process_set: Communicator | None = None, scale_local_gradients: bool = True, *,
+    bucket_mb: float = DEFAULT_BUCKET_MB, memory: Any = None,
 ) -> Any:
-    """A Keras 3 optimizer whose ``apply`` (used by ``model.fit``) averages gradients.
+    """Horovod's ``horovod.tensorflow.keras.DistributedOptimizer``, for Keras 3: a copy of
+    ``optimizer`` whose ``apply`` (used by ``model.fit`` and ``apply_gradients``) averages
+    the gradients across ranks first.
 
-    Horovod's device and sparse options are accepted and ignored.
+    The signature is Horovod 0.28's, plus plait's keyword-only ``bucket_mb`` and
+    ``memory``; an unknown keyword is a ``TypeError``. Gradients are always reduced
+    dense (``sparse_as_dense`` has no effect), ``name``, the device arguments and
+    ``scale_local_gradients`` (plait has no worker-local variables) are accepted and
+    have no effect, and ``groups`` / ``num_groups`` are validated but fusion follows
+    ``bucket_mb``.
+
+    Args:
+        optimizer: a Keras 3 optimizer.
+        name: Horovod's op-name prefix (no effect).
+        device_dense: no effect.
+        device_sparse: no effect.
+        compression: ``Compression.none``/``fp16``/``bf16`` or any plait compressor.
+        sparse_as_dense: no effect (always dense).
+        gradient_predivide_factor: divide before the sum, multiply after.
+        op: Average (default) or Sum.
+        backward_passes_per_step: local passes accumulated per reduction and update.
+        average_aggregated_gradients: apply the mean of the accumulated passes, not their sum.
+        num_groups: deprecated form of ``groups``.
+        groups: Horovod's explicit allreduce groups (validated; fusion follows ``bucket_mb``).
+        process_set: data-parallel sub-communicator (default: all ranks).
+        scale_local_gradients: no effect.
+        bucket_mb: fusion bucket size in MiB (0: one gradient per allreduce).
+        memory: error-feedback memory for ``compression`` (e.g. ``Residual()``).
+
+    Returns:
+        The distributed optimizer (an instance of a subclass of the optimizer's class).
+
+    Raises:
+        ConfigError: for an op other than Average or Sum, bad groups, passes or factor,
+            a memory without a compressor, or an optimizer that is not a Keras 3 one.
     """
+    if op not in (Average, Sum):
+        raise invalid("op", op, "Average or Sum (as in Horovod's Keras optimizer)")
+    check_groups(groups, num_groups)
+    compressor, memory = gradient_compression(compression, memory)
     return tf_optim.distributed_keras_optimizer(
-        optimizer, _F.comm(process_set), op=op, bucket_mb=bucket_mb,
-        compression=None if compression is Compression.none else compression)
+        optimizer, _F.comm(process_set), op=op, bucket_mb=bucket_mb, compression=compressor,
+        memory=memory, backward_passes_per_step=backward_passes_per_step,
+        average_aggregated_gradients=average_aggregated_gradients,
+        gradient_predivide_factor=gradient_predivide_factor)
 
 
 class callbacks:  # noqa: N801 - Horovod's module name, hvd.callbacks.X
-    """Horovod's Keras callbacks, bound to the world communicator."""
+    """Horovod's Keras callbacks (Horovod 0.28 signatures), bound to the world communicator
+    or to ``process_set``; ``device`` arguments have no effect."""
 
     @staticmethod
-    def BroadcastGlobalVariablesCallback(root_rank: int = 0,  # noqa: N802
+    def BroadcastGlobalVariablesCallback(root_rank: int = 0, device: str = "",  # noqa: N802
                                          process_set: Communicator | None = None) -> Any:
+        """Copy ``root_rank``'s model and optimizer variables to all ranks when training starts."""
         return _cb.BroadcastGlobalVariablesCallback(root_rank, _F.comm(process_set))
 
     @staticmethod
-    def MetricAverageCallback(process_set: Communicator | None = None) -> Any:  # noqa: N802
+    def MetricAverageCallback(device: str = "",  # noqa: N802
+                              process_set: Communicator | None = None) -> Any:
+        """Average each epoch's metrics over ranks."""
         return _cb.MetricAverageCallback(_F.comm(process_set))
 
     @staticmethod
-    def LearningRateWarmupCallback(initial_lr: float, warmup_epochs: float = 5,  # noqa: N802
-                                   steps_per_epoch: int | None = None, verbose: int = 0,
-                                   process_set: Communicator | None = None) -> Any:
+    def LearningRateScheduleCallback(  # noqa: N802
+        initial_lr: float, multiplier: Any, start_epoch: int = 0, end_epoch: float | None = None,
+        staircase: bool = True, momentum_correction: bool = True,
+        steps_per_epoch: int | None = None, process_set: Communicator | None = None,
+    ) -> Any:
+        """``lr = initial_lr * multiplier(epoch)`` from ``start_epoch`` to ``end_epoch``."""
+        return _cb.LearningRateScheduleCallback(
+            initial_lr, multiplier, _F.comm(process_set), start_epoch, end_epoch, staircase,
+            momentum_correction, steps_per_epoch)
+
+    @staticmethod
+    def LearningRateWarmupCallback(  # noqa: N802
+        initial_lr: float, warmup_epochs: float = 5, momentum_correction: bool = True,
+        steps_per_epoch: int | None = None, verbose: int = 0,
+        process_set: Communicator | None = None,
+    ) -> Any:
+        """Ramp the rate from ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs``."""
         return _cb.LearningRateWarmupCallback(initial_lr, _F.comm(process_set), warmup_epochs,
-                                              steps_per_epoch, verbose)
+                                              momentum_correction, steps_per_epoch, verbose)
 
 
 #: ``hvd.elastic``: Horovod's elastic mode (``run``, the state objects), on first use.

@@ -17,7 +17,9 @@ from ._face import (
     Min,
     Product,
     Sum,
+    check_groups,
     elastic_attribute,
+    gradient_compression,
     reduce_tensor,
     resolve_op,
 )
@@ -26,7 +28,8 @@ from .parallel.data import DEFAULT_BUCKET_MB
 from .protocols import Communicator
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedGradientTape", "Max", "Min", "Product", "Sum",
+    "Adasum", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer", "Max",
+    "Min", "Product", "Sum",
     "allgather", "backend", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
     "broadcast_object", "broadcast_variables", "cross_rank", "cross_size", "grouped_allreduce",
     "init", "is_initialized", "local_rank", "local_size", "mpi_threads_supported", "rank",
@@ -60,16 +63,92 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int,
 
 def DistributedGradientTape(  # noqa: N802 - Horovod's name
     gradtape: Any, device_dense: str = "", device_sparse: str = "",
-    compression: Any = Compression.none, sparse_as_dense: bool = True, op: str = Average,
-    process_set: Communicator | None = None, bucket_mb: float = DEFAULT_BUCKET_MB,
+    compression: Any = Compression.none, sparse_as_dense: bool = False, op: str = Average,
+    gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
+    process_set: Communicator | None = None, scale_local_gradients: bool = True, *,
+    bucket_mb: float = DEFAULT_BUCKET_MB, memory: Any = None,
 ) -> tf_optim.DistributedGradientTape:
-    """Horovod's ``DistributedGradientTape``: ``gradient()`` returns averaged gradients.
+    """Horovod's ``DistributedGradientTape``: ``gradient()`` returns averaged gradients,
+    for ``tf.Variable`` and Keras 3 variables, eagerly and inside ``tf.function``.
 
-    Sparse gradients are always made dense; device arguments are ignored.
+    The signature is Horovod 0.28's (no gradient accumulation, as there), plus plait's
+    keyword-only ``bucket_mb`` and ``memory``. Gradients are always reduced dense; the
+    device arguments and ``scale_local_gradients`` have no effect; ``groups`` is
+    validated but fusion follows ``bucket_mb``.
+
+    Args:
+        gradtape: the ``tf.GradientTape`` that recorded the forward pass.
+        device_dense: no effect.
+        device_sparse: no effect.
+        compression: ``Compression.none``/``fp16``/``bf16`` or any plait compressor.
+        sparse_as_dense: no effect (always dense).
+        op: Average (default), Sum or Adasum (Horovod backend).
+        gradient_predivide_factor: divide before the sum, multiply after.
+        num_groups: deprecated form of ``groups``.
+        groups: Horovod's explicit allreduce groups (validated only).
+        process_set: data-parallel sub-communicator (default: all ranks).
+        scale_local_gradients: no effect.
+        bucket_mb: fusion bucket size in MiB (0: one gradient per allreduce).
+        memory: error-feedback memory for ``compression`` (e.g. ``Residual()``).
+
+    Returns:
+        The distributed tape.
+
+    Raises:
+        ConfigError: for bad groups or factor, a memory without a compressor, or a
+            ``gradtape`` that is not a ``tf.GradientTape``.
     """
+    check_groups(groups, num_groups)
+    compressor, memory = gradient_compression(compression, memory)
     return tf_optim.DistributedGradientTape(
-        gradtape, _F.comm(process_set), op=op,
-        compression=None if compression is Compression.none else compression, bucket_mb=bucket_mb)
+        gradtape, _F.comm(process_set), op=op, compression=compressor, memory=memory,
+        bucket_mb=bucket_mb, gradient_predivide_factor=gradient_predivide_factor)
+
+
+def DistributedOptimizer(  # noqa: N802 - Horovod's name
+    optimizer: Any, name: str | None = None, use_locking: bool = False, device_dense: str = "",
+    device_sparse: str = "", compression: Any = Compression.none, sparse_as_dense: bool = False,
+    backward_passes_per_step: int = 1, op: str = Average, gradient_predivide_factor: float = 1.0,
+    average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
+    process_set: Communicator | None = None, scale_local_gradients: bool = True, *,
+    bucket_mb: float = DEFAULT_BUCKET_MB, memory: Any = None,
+) -> Any:
+    """Horovod's ``horovod.tensorflow.DistributedOptimizer`` for a Keras 3 optimizer: the
+    same as :func:`plait.keras.DistributedOptimizer` (TF1 ``tf.compat.v1.train``
+    optimizers are not supported; ``use_locking`` has no effect).
+
+    Args:
+        optimizer: a Keras 3 optimizer.
+        name: no effect.
+        use_locking: no effect.
+        device_dense: no effect.
+        device_sparse: no effect.
+        compression: ``Compression.none``/``fp16``/``bf16`` or any plait compressor.
+        sparse_as_dense: no effect (always dense).
+        backward_passes_per_step: local passes accumulated per reduction and update.
+        op: Average (default) or Sum.
+        gradient_predivide_factor: divide before the sum, multiply after.
+        average_aggregated_gradients: apply the mean of the accumulated passes, not their sum.
+        num_groups: deprecated form of ``groups``.
+        groups: Horovod's explicit allreduce groups (validated only).
+        process_set: data-parallel sub-communicator (default: all ranks).
+        scale_local_gradients: no effect.
+        bucket_mb: fusion bucket size in MiB.
+        memory: error-feedback memory for ``compression``.
+
+    Returns:
+        The distributed Keras optimizer.
+
+    Raises:
+        ConfigError: as :func:`plait.keras.DistributedOptimizer`.
+    """
+    from . import keras as keras_face
+
+    return keras_face.DistributedOptimizer(
+        optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+        gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
+        num_groups, groups, process_set, scale_local_gradients, bucket_mb=bucket_mb,
+        memory=memory)
 
 
 #: ``hvd.elastic``: Horovod's elastic mode (``run``, the state objects), on first use.

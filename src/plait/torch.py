@@ -20,7 +20,9 @@ from ._face import (
     Min,
     Product,
     Sum,
+    check_groups,
     elastic_attribute,
+    gradient_compression,
     reduce_tensor,
     resolve_op,
 )
@@ -119,11 +121,20 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     backward_passes_per_step: int = 1,
     op: str = Average,
     gradient_predivide_factor: float = 1.0,
+    num_groups: int = 0,
+    groups: Any = None,
+    sparse_as_dense: bool = False,
     process_set: Communicator | None = None,
+    *,
     bucket_mb: float = DEFAULT_BUCKET_MB,
+    memory: Any = None,
 ) -> Any:
     """Horovod's ``DistributedOptimizer``: gradients are averaged across ranks in fused,
     overlapped allreduces before each ``step()``.
+
+    The signature is Horovod 0.28's, plus plait's keyword-only ``bucket_mb`` and
+    ``memory``; an unknown keyword is a ``TypeError``. ``groups`` / ``num_groups`` are
+    validated, but fusion follows ``bucket_mb`` (grouping never changes the result).
 
     Args:
         optimizer: the local ``torch.optim.Optimizer``.
@@ -132,15 +143,23 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         backward_passes_per_step: local backward passes accumulated per step.
         op: Average (default), Sum or Adasum (Horovod backend).
         gradient_predivide_factor: split the averaging before/after the sum.
+        num_groups: deprecated form of ``groups``.
+        groups: Horovod's explicit allreduce groups (validated only).
+        sparse_as_dense: plait reduces gradients dense (see the README).
         process_set: data-parallel sub-communicator (default: all ranks).
         bucket_mb: fusion bucket size in MiB (0: no fusion).
+        memory: error-feedback memory for ``compression`` (e.g. ``Residual()``).
 
     Returns:
         The distributed optimizer (a subclass of ``type(optimizer)``).
+
+    Raises:
+        ConfigError: for bad passes, factor or groups, or a memory without a compressor.
     """
+    check_groups(groups, num_groups)
+    compressor, memory = gradient_compression(compression, memory)
     return torch_optim.distributed_optimizer(
-        optimizer, _F.comm(process_set), named_parameters,
-        compression=None if compression is Compression.none else compression,
+        optimizer, _F.comm(process_set), named_parameters, compression=compressor, memory=memory,
         backward_passes_per_step=backward_passes_per_step, op=op, bucket_mb=bucket_mb,
         gradient_predivide_factor=gradient_predivide_factor)
 

@@ -9,6 +9,7 @@ cannot pass.
 from __future__ import annotations
 
 import os
+import warnings
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -18,6 +19,8 @@ import pytest  # noqa: E402
 import tensorflow as tf  # noqa: E402
 from plait.adapters.keras_callbacks import (  # noqa: E402
     BroadcastGlobalVariablesCallback,
+    LearningRateScheduleCallback,
+    LearningRateWarmupCallback,
     MetricAverageCallback,
 )
 from plait.adapters.tf_optim import (  # noqa: E402
@@ -229,6 +232,41 @@ def test_keras_fit_without_averaging_would_diverge(comm):
           epochs=1, shuffle=False, verbose=0)
     everyone = np.asarray(comm.allgather(flat(m).reshape(1, -1)))
     assert not np.array_equal(everyone[0], everyone[-1])
+
+
+def test_learning_rate_warmup_callback_ramps_the_rate(comm):
+    x, y = digits()
+    x, y = x[: 40 * comm.size], y[: 40 * comm.size]
+    m = model(0)
+    m.compile(optimizer=distributed_keras_optimizer(keras.optimizers.SGD(0.1, momentum=0.9), comm),
+              loss=LOSS)
+    rates = []
+
+    class Record(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            rates.append(float(np.asarray(self.model.optimizer.learning_rate)))
+
+    warmup = LearningRateWarmupCallback(0.1, comm, warmup_epochs=2, verbose=1)
+    with pytest.warns(UserWarning, match="momentum correction not applied"):
+        history = m.fit(x[comm.rank :: comm.size], y[comm.rank :: comm.size], batch_size=10,
+                        epochs=3, shuffle=False, verbose=0, callbacks=[warmup, Record()])
+    steps, n = 4, comm.size  # Horovod's formula, ending at exactly 0.1 on the last warm-up batch
+    ramp = [0.1 / n * ((e + (b + 1) / steps) * (n - 1) / 2 + 1) for e in range(2) for b in range(steps)]
+    np.testing.assert_allclose(rates, ramp + [0.1] * steps, rtol=1e-6)
+    assert all(a < b for a, b in zip(ramp, ramp[1:])) and rates[0] < 0.1 / n * 1.2
+    np.testing.assert_allclose(history.history["lr"], [ramp[3], 0.1, 0.1], rtol=1e-6)
+
+
+def test_learning_rate_schedule_callback_staircase_decay(comm):
+    x, y = digits()
+    m = model(0)
+    m.compile(optimizer=distributed_keras_optimizer(keras.optimizers.SGD(0.1), comm), loss=LOSS)
+    schedule = LearningRateScheduleCallback(0.1, 0.5, comm, start_epoch=1, end_epoch=3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        history = m.fit(x[:20], y[:20], batch_size=10, epochs=4, verbose=0, callbacks=[schedule])
+    assert not [w for w in caught if "momentum" in str(w.message)]  # plain SGD: nothing to correct
+    np.testing.assert_allclose(history.history["lr"], [0.1, 0.1, 0.05, 0.05], rtol=1e-6)
 
 
 def test_broadcast_variables_keras_and_tf(comm):

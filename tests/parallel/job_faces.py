@@ -141,3 +141,128 @@ def test_progress_only_on_rank_zero_log_prefix_and_metric_average(capsys):
     assert ("only root" in capsys.readouterr().out) == (comm.rank == 0)
     assert average_metrics({"loss": float(comm.rank), "acc": 1.0}, comm) == {
         "acc": 1.0, "loss": (comm.size - 1) / 2}
+
+
+# -- Horovod 0.28 signatures, gradient accumulation and error feedback through the faces ----
+def _same_everywhere(flat_weights: np.ndarray) -> None:
+    everyone = np.asarray(plait.world().allgather(flat_weights.reshape(1, -1)))
+    for r in range(len(everyone)):
+        np.testing.assert_array_equal(everyone[r], flat_weights, err_msg=f"rank {r} diverged")
+
+
+def test_torch_distributed_optimizer_takes_horovods_arguments():
+    m = torch.nn.Linear(3, 2)
+    sgd = torch.optim.SGD(m.parameters(), lr=0.1)
+    # Horovod 0.28's positional order: compression, backward_passes_per_step, op,
+    # gradient_predivide_factor, num_groups, groups, sparse_as_dense, process_set
+    opt = hvd.DistributedOptimizer(sgd, m.named_parameters(), hvd.Compression.none, 1, hvd.Average,
+                                   1.0, 0, None, False, None)
+    assert isinstance(opt, torch.optim.SGD)
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters(), groups=2,
+                                   sparse_as_dense=True, gradient_predivide_factor=2.0)
+    assert isinstance(opt, torch.optim.SGD)
+    with pytest.raises(TypeError, match="nonsense"):
+        hvd.DistributedOptimizer(sgd, m.named_parameters(), nonsense=1)
+    with pytest.raises(plait.ConfigError, match="groups=-2"):
+        hvd.DistributedOptimizer(sgd, m.named_parameters(), groups=-2)
+    with pytest.raises(plait.ConfigError, match="memory="):
+        hvd.DistributedOptimizer(sgd, m.named_parameters(), memory=plait.compression.Residual())
+
+
+def test_keras_and_tf_faces_take_horovods_arguments():
+    opt = hk.DistributedOptimizer(
+        keras.optimizers.SGD(0.1), name="d", device_dense="", device_sparse="",
+        compression=hk.Compression.fp16, sparse_as_dense=True, gradient_predivide_factor=1.0,
+        op=hk.Sum, backward_passes_per_step=2, average_aggregated_gradients=True, num_groups=0,
+        groups=None, process_set=None, scale_local_gradients=True)
+    assert isinstance(opt, keras.optimizers.SGD)
+    assert isinstance(htf.DistributedOptimizer(keras.optimizers.Adam(), backward_passes_per_step=3),
+                      keras.optimizers.Adam)
+    with pytest.raises(TypeError, match="nonsense"):
+        hk.DistributedOptimizer(keras.optimizers.SGD(0.1), nonsense=True)
+    with pytest.raises(plait.ConfigError, match="op='max'"):
+        hk.DistributedOptimizer(keras.optimizers.SGD(0.1), op=hk.Max)
+    with pytest.raises(plait.ConfigError, match="backward_passes_per_step=0"):
+        hk.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=0)
+    tape = htf.DistributedGradientTape(tf.GradientTape(), "", "", htf.Compression.none, False,
+                                       htf.Average, 1.0, 0, None, None, True)
+    assert hasattr(tape, "gradient")
+    with pytest.raises(TypeError, match="backward_passes_per_step"):  # as in Horovod
+        htf.DistributedGradientTape(tf.GradientTape(), backward_passes_per_step=2)
+
+
+def test_keras_face_gradient_accumulation_in_fit():
+    keras.utils.set_random_seed(hk.rank())
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+    opt = hk.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2)
+    model.compile(optimizer=opt, loss="mse")
+    x = np.random.default_rng(hk.rank()).normal(size=(16, 4)).astype(np.float32)
+    seen = []
+
+    class Check(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            flat = np.concatenate([w.ravel() for w in self.model.get_weights()])
+            _same_everywhere(flat)
+            seen.append(flat)
+
+    model.fit(x, x[:, :2], batch_size=4, epochs=1, verbose=0, shuffle=False,
+              callbacks=[hk.callbacks.BroadcastGlobalVariablesCallback(0), Check()])
+    assert int(opt.iterations) == 2 and len(seen) == 4
+    # applied after the 2nd and 4th batch only
+    assert not np.array_equal(seen[0], seen[1]) and np.array_equal(seen[1], seen[2])
+    assert not np.array_equal(seen[2], seen[3])
+
+
+def _torch_run(compression, memory, steps: int = 4) -> np.ndarray:
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.5),
+                                   named_parameters=m.named_parameters(),
+                                   compression=compression, memory=memory)
+    hvd.broadcast_parameters(m.state_dict(), root_rank=0)
+    g = torch.Generator().manual_seed(100 + hvd.rank())
+    for _ in range(steps):
+        x, y = torch.randn(6, 8, generator=g), torch.randint(0, 3, (6,), generator=g)
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(m(x), y).backward()
+        opt.step()
+        _same_everywhere(torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy())
+    return torch.cat([p.detach().reshape(-1) for p in m.parameters()]).numpy()
+
+
+def test_torch_face_topk_with_error_feedback_memory():
+    from plait.compression import Residual, TopK
+
+    memory = Residual()
+    with_memory = _torch_run(TopK(0.1), memory)
+    assert memory.residuals, "the memory was never used"
+    without = _torch_run(TopK(0.1), None)
+    # the dropped 90 % is fed back from the second step on: another trajectory
+    assert not np.allclose(with_memory, without)
+
+
+def test_tf_tape_and_keras_optimizer_with_error_feedback_memory():
+    from plait.compression import Residual, TopK
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(3)])
+    htf.broadcast_variables(model.variables, root_rank=0)
+    tape_memory, opt_memory = Residual(), Residual()
+    plain = keras.optimizers.SGD(0.5)
+    dist = hk.DistributedOptimizer(keras.optimizers.SGD(0.5), compression=TopK(0.2),
+                                   memory=opt_memory)
+    rng = np.random.default_rng(hk.rank())
+    for step in range(4):
+        x = rng.normal(size=(6, 8)).astype(np.float32)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x)))
+        if step % 2 == 0:  # the tape reduces, the plain optimizer applies
+            tape = htf.DistributedGradientTape(tape, compression=TopK(0.2), memory=tape_memory)
+            grads = tape.gradient(loss, model.trainable_variables)
+            plain.apply_gradients(zip(grads, model.trainable_variables))
+        else:  # the local gradients go to the distributed optimizer
+            grads = tape.gradient(loss, model.trainable_variables)
+            dist.apply_gradients(zip(grads, model.trainable_variables))
+        _same_everywhere(np.concatenate([w.ravel() for w in model.get_weights()]))
+    assert tape_memory.residuals and opt_memory.residuals
