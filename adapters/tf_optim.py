@@ -170,9 +170,11 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator, *, op: str =
     ranks and applies them, the other calls apply nothing. As in Horovod the applied
     gradient is the sum of the N passes (averaged over ranks), or its mean with
     ``average_aggregated_gradients=True``. ``optimizer.iterations`` counts applied
-    updates (as with Keras 3's own ``gradient_accumulation_steps``), so Adam's bias
-    correction and learning-rate schedules see the same step numbers as one process
-    training on the N-times larger batch.
+    updates (as with Keras 3's own ``gradient_accumulation_steps``; Horovod's Keras 2
+    helper counted every pass), so Adam's bias correction and learning-rate schedules
+    see the same step numbers as one process training on the N-times larger batch.
+    An epoch whose batch count is not a multiple of N carries its last passes over
+    into the next epoch, as in Horovod.
 
     Args:
         optimizer: a Keras 3 optimizer (not yet used).
