@@ -2,7 +2,11 @@
 
 Arrays go to ``arrays.npz`` (read back with ``allow_pickle=False``); everything
 else (RNG states, plait state structure, ``extra``) to ``meta.json``-like
-``state.json``. Nothing is pickled.
+``state.json``. Nothing is pickled. The RNG states are numpy's and Python's global
+ones, TensorFlow's global generator (``tf.random.get_global_generator()``) and the
+Keras seed generators (the model's layers', e.g. Dropout, and Keras' global one).
+TensorFlow's op-level seeds (``tf.random.set_seed`` and per-op counters) cannot be
+read back and are not saved.
 """
 
 from __future__ import annotations
@@ -58,15 +62,73 @@ def _decode(value: Any, arrays: Mapping[str, np.ndarray], to_tensor: Any) -> Any
     return value
 
 
-def _rng_state(flat: _Flat) -> dict[str, Any]:
+def _layer_seed_states(model: Any) -> list[Any]:
+    """The model's Keras seed-generator state variables (e.g. a Dropout layer's
+    ``SeedGenerator``): what ``model.variables`` holds beyond the weights."""
+    weights = {id(w) for w in model.weights}
+    return [v for v in getattr(model, "variables", []) if id(v) not in weights]
+
+
+def _keras_global_seeds() -> Any:
+    """Keras' internal global-state module, or None where it is not reachable.
+
+    Keras 3 keeps its global seed generator (what ``keras.random`` calls without a seed
+    draw from) there, with no public accessor.
+    """
+    try:
+        from keras.src.backend.common import global_state
+    except ImportError:
+        return None
+    return global_state
+
+
+def _rng_state(flat: _Flat, model: Any) -> dict[str, Any]:
+    import tensorflow as tf
+
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     version, py_state, py_gauss = random.getstate()
-    return {"numpy": [str(kind), flat.add(np.asarray(keys, dtype=np.uint32)), int(pos),
-                      int(has_gauss), float(gauss)],
-            "python": [int(version), list(py_state), py_gauss]}
+    tf_gen = tf.random.get_global_generator()
+    state: dict[str, Any] = {
+        "numpy": [str(kind), flat.add(np.asarray(keys, dtype=np.uint32)), int(pos), int(has_gauss),
+                  float(gauss)],
+        "python": [int(version), list(py_state), py_gauss],
+        "tensorflow": [int(tf_gen.algorithm), flat.add(tf_gen.state.numpy())],
+        "keras_layers": [flat.add(np.asarray(v.numpy())) for v in _layer_seed_states(model)],
+    }
+    keras_state = _keras_global_seeds()
+    if keras_state is not None:
+        gen = keras_state.get_global_attribute("global_seed_generator")
+        # None: not made yet; the first keras.random call makes it from Python's random
+        state["keras_global"] = None if gen is None else flat.add(np.asarray(gen.state.numpy()))
+    return state
 
 
-def _set_rng_state(state: Mapping[str, Any], arrays: Mapping[str, np.ndarray]) -> None:
+def _set_rng_state(state: Mapping[str, Any], arrays: Mapping[str, np.ndarray], model: Any,
+                   path: str) -> None:
+    import tensorflow as tf
+
+    # checkpoints written before the TF/Keras generators were saved lack their keys
+    if "tensorflow" in state:
+        algorithm, tf_state = state["tensorflow"]
+        tf.random.set_global_generator(
+            tf.random.Generator.from_state(arrays[tf_state["__array__"]], algorithm))
+    if "keras_layers" in state:
+        saved = [arrays[r["__array__"]] for r in state["keras_layers"]]
+        variables = _layer_seed_states(model)
+        if len(saved) != len(variables):
+            raise CheckpointError(f"checkpoint file {path}: {len(saved)} Keras seed generator "
+                                  f"states of layers, the model has {len(variables)}")
+        for var, value in zip(variables, saved, strict=True):
+            var.assign(value)
+    keras_state = _keras_global_seeds()
+    if "keras_global" in state and keras_state is not None:
+        if state["keras_global"] is None:
+            keras_state.set_global_attribute("global_seed_generator", None)
+        else:
+            from keras.src.random.seed_generator import global_seed_generator
+
+            global_seed_generator().state.assign(arrays[state["keras_global"]["__array__"]])
+    # last: making Keras' global seed generator above draws from Python's random
     kind, keys, pos, has_gauss, gauss = state["numpy"]
     np.random.set_state((kind, arrays[keys["__array__"]], pos, has_gauss, gauss))
     version, py_state, py_gauss = state["python"]
@@ -86,7 +148,8 @@ class KerasCodec:
 
     def gather(self, model: Any, optimizer: Any, states: Mapping[str, Stateful],
                extra: Mapping[str, Any]) -> dict[str, bytes]:
-        """Serialise model weights, optimizer variables, RNG states, plait states and ``extra``.
+        """Serialise model weights, optimizer variables, RNG states (numpy, Python, TensorFlow's
+        global generator, Keras' seed generators), plait states and ``extra``.
 
         Returns:
             ``{"arrays.npz": ..., "state.json": ...}``.
@@ -96,7 +159,7 @@ class KerasCodec:
             "model": [flat.add(w) for w in model.get_weights()],
             "optimizer": None if optimizer is None else
             [flat.add(np.asarray(v.numpy())) for v in _optimizer_variables(optimizer, model)],
-            "rng": _rng_state(flat),
+            "rng": _rng_state(flat, model),
             "plait": {k: flat.encode(dict(s.state_dict())) for k, s in states.items()},
             "extra": flat.encode(dict(extra)),
         }
@@ -106,7 +169,8 @@ class KerasCodec:
 
     def apply(self, files: Mapping[str, bytes], model: Any, optimizer: Any,
               states: Mapping[str, Stateful], where: str) -> dict[str, Any]:
-        """Load ``files`` into the objects and restore numpy/Python RNG states.
+        """Load ``files`` into the objects and restore the RNG states (numpy, Python,
+        TensorFlow's global generator, Keras' seed generators).
 
         Returns:
             The saved ``extra`` mapping.
@@ -149,7 +213,7 @@ class KerasCodec:
                 if name not in doc["plait"]:
                     raise CheckpointError(f"checkpoint file {path}: no plait state {name!r}")
                 obj.load_state_dict(_decode(doc["plait"][name], arrays, tf.convert_to_tensor))
-            _set_rng_state(doc["rng"], arrays)
+            _set_rng_state(doc["rng"], arrays, model, path)
         except CheckpointError:
             raise
         except (KeyError, ValueError, TypeError) as exc:

@@ -265,27 +265,43 @@ def test_kill_during_checkpoint_writing_keeps_previous(tmp_path: Path) -> None:
 
 
 def test_keras_round_trip_npz_without_pickle(tmp_path: Path) -> None:
-    """Keras 3 weights + optimizer variables + a residual memory, in arrays.npz + state.json."""
+    """Keras 3 weights + optimizer variables + a residual memory, in arrays.npz + state.json;
+    the RNG states (numpy, Python, TensorFlow's global generator, Keras' global seed
+    generator and a Dropout layer's) come back: the draws after a restore are those after
+    the save."""
     np = pytest.importorskip("numpy")
     keras = pytest.importorskip("keras")
     tf = pytest.importorskip("tensorflow")
+    import random
+
     from plait.compression import Residual
 
     def build() -> tuple[object, object]:
-        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dropout(0.5)])
         opt = keras.optimizers.Adam(0.1)
         model.compile(opt, "mse")
         return model, opt
 
+    def draws(model: object) -> list[object]:
+        dropout = model.layers[-1](tf.ones((4, 8)), training=True)  # type: ignore[attr-defined]
+        return [np.random.rand(3), random.random(), tf.random.get_global_generator().normal([3]).numpy(),
+                keras.random.uniform((3,)).numpy(), dropout.numpy()]
+
     keras.utils.set_random_seed(0)
     model, opt = build()
     model.fit(np.random.rand(8, 4), np.random.rand(8, 3), verbose=0, epochs=2)
+    tf.random.get_global_generator().normal([2])
+    keras.random.uniform((2,))  # Keras' global seed generator exists (and moved) at the save
     memory = Residual()
     memory.residuals["w"] = tf.ones(3)
     entry = Checkpoint(tmp_path).save(7, model, opt, {"ef": memory}, {"epoch": 2})
     names = sorted(os.listdir(tmp_path / entry.name))
     assert names == ["arrays.npz", "meta.json", "state.json"]
+    expected = draws(model)
+    keras.utils.set_random_seed(123)  # another process, as it were: every generator elsewhere
+    tf.random.get_global_generator().normal([5])
     model2, opt2 = build()
+    assert not np.array_equal(draws(model2)[-1], expected[-1])
     memory2 = Residual()
     ckpt = Checkpoint(tmp_path)
     assert ckpt.restore(model2, opt2, {"ef": memory2}) == 7 and ckpt.extra == {"epoch": 2}
@@ -294,5 +310,9 @@ def test_keras_round_trip_npz_without_pickle(tmp_path: Path) -> None:
     for v, w in zip(opt.variables, opt2.variables, strict=True):
         assert np.array_equal(v.numpy(), w.numpy()), v.name
     assert np.array_equal(memory2.residuals["w"].numpy(), np.ones(3))
+    got = draws(model2)
+    for what, a, b in zip(["numpy", "python", "tf global generator", "keras global seed generator",
+                           "dropout seed generator"], expected, got, strict=True):
+        assert np.array_equal(a, b), what
     with pytest.raises(CheckpointError, match="framework 'tensorflow'"):
         Checkpoint(tmp_path).restore(*make())
