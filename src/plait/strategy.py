@@ -46,7 +46,8 @@ class DataParallel:
         mode: "sync" (allreduce every step) or "async" (see ``plait.parallel.asyncdp``).
         op: "average" (default) or "sum" (or "adasum" on the Horovod backend).
         bucket_mb: fusion bucket size in MiB.
-        backward_passes_per_step: local backward passes accumulated per step (torch).
+        backward_passes_per_step: local backward passes accumulated per step (torch, and
+            Keras optimizers: every Nth ``apply`` reduces and applies the sum).
         comm: an existing communicator (e.g. the data axis of a :class:`Mesh`).
         **mode_options: options of the async algorithm.
 
@@ -135,7 +136,8 @@ class DataParallel:
 
         return distributed_keras_optimizer(optimizer, self.comm, op=self.op,
                                            compression=compression, memory=memory,
-                                           bucket_mb=self.bucket_mb)
+                                           bucket_mb=self.bucket_mb,
+                                           backward_passes_per_step=self.passes)
 
     def tape(self, tape: Any) -> Any:
         """A ``tf.GradientTape`` whose ``gradient()`` averages across ranks.

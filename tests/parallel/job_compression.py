@@ -318,3 +318,25 @@ def test_topk_with_error_feedback_trains_keras_eagerly_through_data_parallel(com
     np.testing.assert_allclose(keras_weights(m), keras_weights(twin), rtol=0, atol=1e-6)
     assert not np.allclose(keras_weights(m), keras_weights(keras_mlp()))
     assert dp.wire_stats.ratio > 4
+
+
+@pytest.mark.parametrize("framework", ["torch", "keras"])
+def test_data_parallel_accumulates_backward_passes_and_counts_one_step_per_update(comm, framework):
+    dp = plait.DataParallel(comm=comm, compression="fp16", backward_passes_per_step=2)
+    if framework == "torch":
+        import torch
+
+        m = torch_mlp()
+        opt = dp.optimizer(torch.optim.SGD(m.parameters(), lr=0.5), m.named_parameters())
+        for step in range(4):
+            x, y = batch(step, comm.rank, comm.size)
+            torch.nn.functional.cross_entropy(m(torch.from_numpy(x)), torch.from_numpy(y)).backward()
+            if step % 2:
+                opt.step()
+                opt.zero_grad()
+        weights = torch_weights(m)
+    else:
+        m = train_keras(comm, dp, steps=4)
+        weights = keras_weights(m)
+    same_on_all_ranks(comm, weights)
+    assert [(t.sent, t.raw) for t in dp.wire_stats.steps] == [(2 * sum(SIZES), 4 * sum(SIZES))] * 2
