@@ -1,4 +1,5 @@
-"""Fault tolerance end to end: SIGKILLed ranks, automatic restarts, elastic restart, dead peers.
+"""Fault tolerance: SIGKILLed ranks, automatic restarts, elastic restart, dead peers,
+Horovod elastic on emulated hosts, and the restart logic itself (unit tests at the end).
 
 The training job is tests/parallel/job_ckpt_train.py (2-rank digits MLP, checkpoint every
 2 steps) started by ``plait run --restarts``. Every job runs under ``--timeout`` and a
@@ -17,11 +18,16 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from jobs import ROOT, mpi_env
 
 from plait.checkpoint import Checkpoint
+from plait.errors import ConfigError
+from plait.launch.command import LaunchSpec
+from plait.launch.hostfile import HostSlots, total_slots
+from plait.launch.restart import RestartPolicy, RestartState, blamed_hosts, rank_hosts, run_with_restarts
 from plait.testing.netns import EmulatedHosts, unavailable_reason
 from plait.testing.pytest_fixtures import emulated_hosts  # noqa: F401  (fixture)
 
@@ -327,3 +333,93 @@ def test_horovod_elastic_keras_fit_adds_and_removes_a_host(
                            "HVD_GROWN": f"{two}{names[2]}:1\n"},
                           timeout=360, hosts=hosts)
     check_keras_elastic(out)
+
+
+# -- the restart logic of ``plait run --restarts`` (no processes) ------------------------------
+def test_restart_backoff_doubles_up_to_its_cap() -> None:
+    policy = RestartPolicy(restarts=5, backoff=0.5, backoff_max=3.0)
+    assert [policy.delay(a) for a in range(1, 6)] == [0.5, 1.0, 2.0, 3.0, 3.0]
+    assert RestartPolicy(restarts=1, backoff=0.0).delay(4) == 0.0
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("restarts", -1), ("restarts", True), ("restarts", 1.5), ("backoff", -1.0), ("backoff", 31.0),
+    ("exclude_after", 0), ("probe_timeout", 0.0)])
+def test_restart_policy_rejects_bad_settings(field: str, value: object) -> None:
+    with pytest.raises(ConfigError, match=f"invalid {field}="):
+        RestartPolicy(**{field: value})  # type: ignore[arg-type]
+
+
+def test_rank_hosts_fills_slots_host_by_host_and_wraps() -> None:
+    hosts = [HostSlots("a", 2), HostSlots("b", 1)]
+    assert rank_hosts(hosts, 3) == ["a", "a", "b"]
+    assert rank_hosts(hosts, 5) == ["a", "a", "b", "a", "a"]  # oversubscribed
+    assert rank_hosts([], 2) == []
+
+
+def test_blamed_hosts_reads_open_mpi_and_plait_reports() -> None:
+    ranks = ["h0", "h0", "h1", "h2"]
+    signal_line = ("mpirun noticed that process rank 2 with PID 4242 on node h1 exited on "
+                   "signal 9 (Killed).\n")
+    assert blamed_hosts(signal_line, ranks) == ["h1"]
+    daemon = "ORTE has lost communication with a remote daemon.\n  Remote daemon: [[5,0],2] on node h2\n"
+    assert blamed_hosts(daemon, ranks) == ["h2"]
+    assert blamed_hosts("MPI_ABORT was invoked on rank 3 in communicator MPI_COMM_WORLD\n", ranks) == ["h2"]
+    assert blamed_hosts("  Process name: [[1234,1],1]\n  Exit code: 1\n", ranks) == ["h0"]
+    assert blamed_hosts("plait: rank 0 on host h0 failed: CollectiveTimeoutError\n", ranks) == ["h0"]
+    # each host once; ranks outside the job and unrelated text blame nobody
+    both = signal_line + signal_line + "MPI_ABORT was invoked on rank 0 in communicator x\n"
+    assert blamed_hosts(both, ranks) == ["h1", "h0"]
+    assert blamed_hosts("MPI_ABORT was invoked on rank 9 in communicator x\n", ranks) == []
+    assert blamed_hosts("Traceback (most recent call last):\nValueError: boom\n", ranks) == []
+
+
+def test_a_host_blamed_repeatedly_is_excluded_and_an_unreachable_one_at_once() -> None:
+    state = RestartState([HostSlots("a", 2), HostSlots("b", 2), HostSlots("c", 2)])
+    assert state.blame(["b"], exclude_after=2) == []  # once: kept
+    assert [h.host for h in state.hosts] == ["a", "b", "c"]
+    assert state.blame(["b", "a"], exclude_after=2) == ["b"]  # twice: out; a once: kept
+    assert [h.host for h in state.hosts] == ["a", "c"]
+    assert state.failures == {"a": 1, "b": 2}
+    assert state.excluded == {"b": "its ranks failed 2 times"}
+    assert state.blame(["b"], exclude_after=2) == []  # already out: not excluded again
+    assert state.unreachable({"c": "no answer within 8s"}) == ["c"]
+    assert state.unreachable({"c": "no answer within 8s"}) == []
+    assert [h.host for h in state.hosts] == ["a"]
+    assert "did not answer a probe job (no answer within 8s)" in state.excluded["c"]
+    assert total_slots(state.hosts) == 2
+
+
+def test_run_with_restarts_relaunches_until_success_or_the_restarts_run_out(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A local job (no hosts: no probes): each attempt gets PLAIT_RESTART = its number."""
+    spec = LaunchSpec(command=("python", "train.py"), np=2, oversubscribe=True)
+    attempts: list[str] = []
+
+    def failing_twice(cmd: Any, timeout: float | None, capture: list[str], signals: list[int]) -> int:
+        attempts.append(cmd.env["PLAIT_RESTART"])
+        return 1 if len(attempts) <= 2 else 0
+
+    policy = RestartPolicy(restarts=3, backoff=0.0)
+    assert run_with_restarts(spec, policy, {}, True, (), failing_twice) == 0
+    assert attempts == ["0", "1", "2"]
+    err = capsys.readouterr().err
+    assert "restart 1/3 in 0s with 2 ranks" in err and "restart 2/3 in 0s" in err
+    assert "job finished after 2 restart(s) with 2 ranks on hosts localhost" in err
+
+    attempts.clear()
+
+    def always_failing(cmd: Any, timeout: float | None, capture: list[str], signals: list[int]) -> int:
+        attempts.append(cmd.env["PLAIT_RESTART"])
+        return 7
+
+    assert run_with_restarts(spec, RestartPolicy(restarts=1, backoff=0.0), {}, True, (),
+                             always_failing) == 7
+    assert attempts == ["0", "1"]
+    assert "no restarts left (1 used)" in capsys.readouterr().err
+
+    def interrupted(cmd: Any, timeout: float | None, capture: list[str], signals: list[int]) -> int:
+        signals.append(2)  # the user's Ctrl-C was forwarded to the job: never restart
+        return 130
+
+    assert run_with_restarts(spec, policy, {}, True, (), interrupted) == 130
