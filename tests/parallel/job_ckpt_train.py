@@ -61,6 +61,7 @@ def main() -> None:
     print(f"FT rank={rank} attempt={attempt} resumed={start} size={size} "
           f"host={socket.gethostname()}", flush=True)
     per_epoch = len(y_all) // p.global_batch
+    last_loss = float("nan")  # no step left when the killed attempt had saved the last one
     for step in range(start, steps):
         if kill is not None and kill[0] == step and not kill[1]:
             os.kill(os.getpid(), signal.SIGKILL)
@@ -70,6 +71,7 @@ def main() -> None:
         opt.zero_grad()
         loss = torch.nn.functional.cross_entropy(model(x_all[mine]), y_all[mine])
         loss.backward()
+        last_loss = loss.item()
         grads = [q.grad for q in model.parameters()]
         for q, g in zip(model.parameters(), comm.grouped_allreduce(grads, "average", "grads"),
                         strict=True):
@@ -89,7 +91,7 @@ def main() -> None:
         raise RuntimeError("replicas diverged")
     if rank == 0:
         torch.save({k: v for k, v in model.state_dict().items()}, os.environ["FT_OUT"])
-        print(f"FT done size={size} loss={loss.item():.4f}", flush=True)
+        print(f"FT done size={size} loss={last_loss:.4f}", flush=True)
 
 
 if __name__ == "__main__":
