@@ -158,9 +158,7 @@ def train_torch(comm: Any, compressor: Compressor | None, memory: Any, lr: float
         idx = torch.from_numpy(rows)
         loss_fn(m(x[idx]), y[idx]).backward()
         opt.step()
-        opt.zero_grad()
-        if compressor is not None and compressor.stats is not None:
-            compressor.stats.end_step()
+        opt.zero_grad()  # the optimizer's step closed the compressor's wire-stats step
     with torch.no_grad():
         acc = accuracy(m(xt).numpy())
         weights = torch.cat([p.reshape(-1) for p in m.parameters()]).numpy()
@@ -190,9 +188,7 @@ def train_tf(comm: Any, compressor: Compressor | None, memory: Any, lr: float,
 
     run = tf.function(step) if graph else step
     for rows in batches(comm.rank, comm.size)[:steps]:
-        run(tf.constant(x[rows]), tf.constant(y[rows]))
-        if compressor is not None and compressor.stats is not None:
-            compressor.stats.end_step()
+        run(tf.constant(x[rows]), tf.constant(y[rows]))  # the tape closes the wire-stats step
     acc = accuracy(forward(tf.constant(xt)).numpy())
     weights = np.concatenate([v.numpy().reshape(-1) for v in variables])
     return acc, weights
