@@ -43,6 +43,7 @@ pytestmark = pytest.mark.timeout(600)
 JOB_S = 300  # plait run / mpirun --timeout of a normal job (generous: 2 shared cores)
 KILLED_RANK_S = 30  # a killed rank ends the job within this (its PLAIT_TIMEOUT is 60)
 LINK_MARGIN_S = 10  # a dead link: --timeout + kill grace + this
+LINK_JOB_S = 30  # plait run --timeout of the dead-link job (its PLAIT_TIMEOUT is 4)
 HARD_S = 360  # harness kill of a normal job (kills its whole process group)
 VENV_BIN = str(Path(sys.executable).parent)
 MULTIHOST_JOB = str(ROOT / "tests" / "parallel" / "job_multihost.py")
@@ -278,13 +279,13 @@ def test_killed_rank_ends_the_job_naming_it(two_hosts: EmulatedHosts, tmp_path: 
 
 def test_downed_link_ends_the_job_with_a_collective_timeout(tmp_path: Path) -> None:
     with EmulatedHosts(2) as hosts:  # its own hosts: the link goes down
-        status, stderr, elapsed = fail_mid_job(hosts, tmp_path, job_timeout=20, action="link",
+        status, stderr, elapsed = fail_mid_job(hosts, tmp_path, job_timeout=LINK_JOB_S, action="link",
                                                extra_env={"PLAIT_TIMEOUT": "4"})
     assert status is not None, "the job hung: the harness had to kill it"
     assert status != 0, stderr
     # at the latest plait run's --timeout (counted from the job's start, before the link went
     # down) plus its SIGTERM-to-SIGKILL grace, and a margin for 2 shared cores
-    assert elapsed < 20 + KILL_GRACE_S + LINK_MARGIN_S, (elapsed, stderr)
+    assert elapsed < LINK_JOB_S + KILL_GRACE_S + LINK_MARGIN_S, (elapsed, stderr)
     # the survivors give up after PLAIT_TIMEOUT and say why; Open MPI cannot then reach the
     # cut-off host to end the job, so plait run's --timeout ends it (status 124)
     assert "CollectiveTimeoutError" in stderr and "waited 4s" in stderr, stderr
