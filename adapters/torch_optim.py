@@ -39,7 +39,7 @@ class _Distributed:
         def hook(p: torch.Tensor) -> None:
             self._plait_counts[name] += 1
             if self._plait_counts[name] == self._plait_passes and p.grad is not None:
-                grad = p.grad
+                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad  # reduced dense
                 if self._plait_predivide != 1.0:
                     grad = grad / self._plait_predivide
                 self._plait_reducer.ready(name, grad)
@@ -57,14 +57,16 @@ class _Distributed:
 
         def missing(spec: GradSpec) -> torch.Tensor:
             p = params[spec.name]
-            return torch.zeros_like(p) if p.grad is None else p.grad
+            if p.grad is None:
+                return torch.zeros_like(p)
+            return p.grad.to_dense() if p.grad.is_sparse else p.grad
 
         reduced = self._plait_reducer.finish(missing)
         for name, grad in reduced.items():
             p = params[name]
             if self._plait_predivide != 1.0:
                 grad = grad * self._plait_predivide
-            if p.grad is None:
+            if p.grad is None or p.grad.is_sparse:  # a sparse gradient comes back dense
                 p.grad = grad.to(p.dtype).clone()
             else:
                 p.grad.copy_(grad)

@@ -135,3 +135,29 @@ def test_bad_arguments(comm):
         distributed_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), comm, backward_passes_per_step=0)
     with pytest.raises(ValueError, match="named_parameters"):
         distributed_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), comm, [("only", m[0].weight)])
+
+
+def test_sparse_embedding_gradients_are_reduced_dense(comm):
+    """Embedding(sparse=True) gives sparse gradients: reduced dense, the same as one process."""
+
+    def run(distributed: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        m = torch.nn.Sequential(torch.nn.Embedding(20, 4, sparse=True), torch.nn.Flatten(),
+                                torch.nn.Linear(12, 3))
+        opt = torch.optim.SGD(m.parameters(), lr=0.5)
+        if distributed:
+            opt = distributed_optimizer(opt, comm, m.named_parameters())
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            xb = torch.randint(0, 20, (4 * comm.size, 3), generator=g)
+            yb = torch.randint(0, 3, (4 * comm.size,), generator=g)
+            if distributed:
+                xb, yb = xb[comm.rank :: comm.size], yb[comm.rank :: comm.size]
+            torch.nn.functional.cross_entropy(m(xb), yb).backward()
+            opt.step()
+            opt.zero_grad()
+        if distributed:
+            identical_on_all_ranks(comm, m)
+        return flat(m)
+
+    torch.testing.assert_close(run(True), run(False), rtol=0, atol=1e-6)
