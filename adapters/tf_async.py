@@ -4,8 +4,9 @@
 subclass of its class) whose ``apply`` runs one step of the algorithm. It works
 eagerly: custom loops calling ``apply_gradients`` outside ``tf.function``, or
 ``model.fit`` after ``model.compile(..., run_eagerly=True)``. The extra methods
-are ``serve(variables)`` (parameter-server ranks), ``synchronize(variables=None)``,
-``gather_metrics()`` and the properties ``metrics_async`` and ``is_server``.
+are ``serve(variables, checkpoint=None, model=None)`` (parameter-server ranks),
+``synchronize(variables=None)``, ``gather_metrics()`` and the properties
+``metrics_async``, ``async_algorithm`` and ``is_server``.
 """
 
 from __future__ import annotations
@@ -118,9 +119,25 @@ def async_optimizer(optimizer: Any, algorithm: AsyncAlgorithm) -> Any:
         self._plait_async.algorithm.step(replica)
         return None
 
-    def serve(self: Any, variables: Sequence[Any]) -> None:
-        """Parameter-server ranks: serve until every worker finished."""
-        self._plait_async.algorithm.serve(_replica(self, list(variables)))
+    def serve(self: Any, variables: Sequence[Any] | None = None, checkpoint: Any = None,
+              model: Any = None) -> None:
+        """Parameter-server ranks: serve until every worker finished.
+
+        Args:
+            variables: the trainable variables (default: ``model.trainable_variables``).
+            checkpoint: a ``plait.Checkpoint``: the servers write a consistent snapshot
+                whenever the workers reach a multiple of its ``every``.
+            model: the Keras model (needed with ``checkpoint``).
+        """
+        if variables is None and model is not None:
+            variables = model.trainable_variables
+        if variables is None:
+            raise invalid("variables", None, "the model's trainable variables (or model=)")
+        if checkpoint is not None and model is None:
+            raise invalid("model", None, "the Keras model being trained (with checkpoint=)")
+        replica = _replica(self, list(variables))
+        snapshot = None if checkpoint is None else checkpoint.snapshot(model, self)
+        self._plait_async.algorithm.serve(replica, snapshot)
 
     def synchronize(self: Any, variables: Sequence[Any] | None = None) -> None:
         """Collective: finish and leave one identical model on every rank."""
@@ -134,6 +151,7 @@ def async_optimizer(optimizer: Any, algorithm: AsyncAlgorithm) -> Any:
     props = {
         "apply": apply, "serve": serve, "synchronize": synchronize, "gather_metrics": gather_metrics,
         "is_server": property(lambda self: self._plait_async.algorithm.is_server),
+        "async_algorithm": property(lambda self: self._plait_async.algorithm),
         "metrics_async": property(lambda self: self._plait_async.algorithm.metrics),
         "_plait_distributed": True,
     }

@@ -6,7 +6,8 @@ else (RNG states, plait state structure, ``extra``) to ``meta.json``-like
 ones, TensorFlow's global generator (``tf.random.get_global_generator()``) and the
 Keras seed generators (the model's layers', e.g. Dropout, and Keras' global one).
 TensorFlow's op-level seeds (``tf.random.set_seed`` and per-op counters) cannot be
-read back and are not saved.
+read back and are not saved; with op determinism on, TensorFlow refuses to make a
+global generator, so none is saved until the program sets one.
 """
 
 from __future__ import annotations
@@ -87,12 +88,16 @@ def _rng_state(flat: _Flat, model: Any) -> dict[str, Any]:
 
     kind, keys, pos, has_gauss, gauss = np.random.get_state()
     version, py_state, py_gauss = random.getstate()
-    tf_gen = tf.random.get_global_generator()
+    try:
+        tf_gen = tf.random.get_global_generator()
+        generator: Any = [int(tf_gen.algorithm), flat.add(tf_gen.state.numpy())]
+    except RuntimeError:  # op determinism on and no global generator made: none to save
+        generator = None
     state: dict[str, Any] = {
         "numpy": [str(kind), flat.add(np.asarray(keys, dtype=np.uint32)), int(pos), int(has_gauss),
                   float(gauss)],
         "python": [int(version), list(py_state), py_gauss],
-        "tensorflow": [int(tf_gen.algorithm), flat.add(tf_gen.state.numpy())],
+        "tensorflow": generator,
         "keras_layers": [flat.add(np.asarray(v.numpy())) for v in _layer_seed_states(model)],
     }
     keras_state = _keras_global_seeds()
@@ -108,7 +113,7 @@ def _set_rng_state(state: Mapping[str, Any], arrays: Mapping[str, np.ndarray], m
     import tensorflow as tf
 
     # checkpoints written before the TF/Keras generators were saved lack their keys
-    if "tensorflow" in state:
+    if state.get("tensorflow") is not None:
         algorithm, tf_state = state["tensorflow"]
         tf.random.set_global_generator(
             tf.random.Generator.from_state(arrays[tf_state["__array__"]], algorithm))

@@ -93,6 +93,11 @@ class AsyncOptimizer:
         return self.algorithm.is_server
 
     @property
+    def async_algorithm(self) -> AsyncAlgorithm:
+        """The algorithm (what ``plait.Checkpoint`` saves and restores)."""
+        return self.algorithm
+
+    @property
     def metrics(self) -> AsyncMetrics:
         """This rank's metrics."""
         return self.algorithm.metrics
@@ -109,9 +114,23 @@ class AsyncOptimizer:
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
-    def serve(self) -> None:
-        """Parameter-server ranks: serve until every worker finished."""
-        self.algorithm.serve(self.replica)
+    def serve(self, checkpoint: Any = None, model: torch.nn.Module | None = None) -> None:
+        """Parameter-server ranks: serve until every worker finished.
+
+        Args:
+            checkpoint: a ``plait.Checkpoint``: the servers write a consistent snapshot
+                whenever the workers reach a multiple of its ``every``.
+            model: this rank's model (needed with ``checkpoint``).
+
+        Raises:
+            ConfigError: for a checkpoint without the model.
+        """
+        snapshot = None
+        if checkpoint is not None:
+            if not isinstance(model, torch.nn.Module):
+                raise invalid("model", model, "the torch.nn.Module being trained (with checkpoint=)")
+            snapshot = checkpoint.snapshot(model, self)
+        self.algorithm.serve(self.replica, snapshot)
 
     def synchronize(self) -> None:
         """Collective: finish and leave one identical model on every rank."""

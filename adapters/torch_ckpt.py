@@ -49,6 +49,8 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
 def _detach(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach().cpu().clone()
+    if isinstance(value, np.ndarray):  # framework-free plait state: kept as a tensor (weights_only)
+        return torch.from_numpy(value.copy())
     if isinstance(value, Mapping):
         return {k: _detach(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):

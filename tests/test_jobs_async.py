@@ -19,6 +19,7 @@ JOBS = [
     ("mpirun", 3, "job_async_torch.py"),
     ("mpirun", 2, "job_async_tf.py"),
     ("mpirun", 3, "job_async_tf.py"),
+    ("mpirun", 3, "job_ckpt_async.py"),
 ]
 
 

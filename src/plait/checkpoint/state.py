@@ -5,6 +5,10 @@ mapping (string keys; values tensors, numbers, strings, bools, None, or lists an
 mappings of those) and ``load_state_dict(mapping)``. Error-feedback memories
 (:class:`plait.compression.Residual`, whose state is its ``.residuals``) are
 wrapped by :func:`as_stateful`.
+
+A state object whose value differs from rank to rank (an error-feedback memory
+holds this rank's residuals) says so with a true ``per_rank`` attribute:
+:class:`plait.Checkpoint` then saves every rank's copy (see :func:`is_per_rank`).
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from plait.errors import PlaitTypeError
 
-__all__ = ["ResidualState", "Stateful", "as_stateful"]
+__all__ = ["ResidualState", "Stateful", "as_stateful", "is_per_rank"]
 
 
 @runtime_checkable
@@ -37,6 +41,9 @@ class ResidualState:
         memory: e.g. a :class:`plait.compression.Residual`.
     """
 
+    #: residuals are this rank's own: every rank's copy is checkpointed.
+    per_rank = True
+
     def __init__(self, memory: Any) -> None:
         self.memory = memory
 
@@ -48,6 +55,18 @@ class ResidualState:
         """Replace the memory's residuals."""
         self.memory.residuals.clear()
         self.memory.residuals.update(state["residuals"])
+
+
+def is_per_rank(obj: Any) -> bool:
+    """True when ``obj`` (a :class:`Stateful`) holds state that differs per rank.
+
+    Args:
+        obj: a state object.
+
+    Returns:
+        Its ``per_rank`` attribute, ``False`` when it has none.
+    """
+    return bool(getattr(obj, "per_rank", False))
 
 
 def as_stateful(obj: Any, name: str = "state") -> Stateful:

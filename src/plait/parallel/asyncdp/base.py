@@ -2,17 +2,35 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
+from plait.checkpoint.atomic import CheckpointError
 from plait.protocols import Communicator
 
 from .guard import track, untrack
 from .metrics import AsyncMetrics
 from .replica import Replica
 
-__all__ = ["AsyncAlgorithm", "require_point_to_point"]
+__all__ = ["AsyncAlgorithm", "load_memory", "memory_state", "require_point_to_point"]
+
+
+def memory_state(memory: Any) -> dict[str, Any] | None:
+    """An error-feedback memory's residuals (name -> numpy array), or None without one."""
+    residuals = getattr(memory, "residuals", None)
+    return None if not isinstance(residuals, dict) else {k: np.asarray(v) for k, v in residuals.items()}
+
+
+def load_memory(memory: Any, saved: Mapping[str, Any] | None, own: bool) -> None:
+    """Give ``memory`` its saved residuals back (another rank's are dropped: it starts empty)."""
+    residuals = getattr(memory, "residuals", None)
+    if not isinstance(residuals, dict):
+        return
+    residuals.clear()
+    if own and saved:
+        residuals.update({k: np.asarray(v, dtype=np.float32).copy() for k, v in saved.items()})
 
 
 def require_point_to_point(comm: Communicator, algorithm: str) -> None:
@@ -55,12 +73,17 @@ class AsyncAlgorithm:
     name = "base"
     #: True for algorithms that need point-to-point messages.
     point_to_point = False
+    #: How ``plait.Checkpoint`` captures the algorithm: ``"collective"`` (every rank saves
+    #: at the same step, after :meth:`state_dict` drained what is in flight) or
+    #: ``"server"`` (parameter servers write snapshots from :meth:`serve`).
+    checkpoint_kind = "collective"
 
     def __init__(self, comm: Communicator) -> None:
         self.comm = comm
         self.metrics = AsyncMetrics(comm.rank, self.role, self.name)
         self._setup_done = False
         self._finished = False
+        self._loaded: tuple[Mapping[str, Any], bool] | None = None
 
     # -- roles ------------------------------------------------------------------------
     @property
@@ -80,9 +103,13 @@ class AsyncAlgorithm:
             return
         if self.point_to_point:
             require_point_to_point(self.comm, self.name)
-        params = self.comm.broadcast(replica.get_params(), 0, name="asyncdp.setup")
-        replica.set_params(params)
+        if self._loaded is None:  # restored replicas are already what they must be
+            params = self.comm.broadcast(replica.get_params(), 0, name="asyncdp.setup")
+            replica.set_params(params)
         self._start(replica)
+        if self._loaded is not None:
+            self._load(*self._loaded)
+            self._loaded = None
         self._setup_done = True
         if self.comm.size > 1:
             track(self, f"rank {self.comm.rank} ({self.name} {self.role})")
@@ -94,7 +121,7 @@ class AsyncAlgorithm:
         """One training step on a worker: the local gradients are in ``replica``."""
         raise NotImplementedError
 
-    def serve(self, replica: Replica) -> None:
+    def serve(self, replica: Replica, snapshot: Any = None) -> None:
         """Serve until every worker finished (parameter-server ranks only).
 
         Raises:
@@ -118,6 +145,58 @@ class AsyncAlgorithm:
 
     def _finish(self, replica: Replica) -> None:
         """Algorithm-specific end (drain messages, apply pending updates)."""
+
+    # -- checkpoints ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's algorithm state (plain numbers, lists and float32 numpy arrays).
+
+        For ``checkpoint_kind == "collective"`` every rank calls it at the same step:
+        it first finishes what is in flight, so the state is consistent across ranks.
+
+        Returns:
+            The state; the model and optimizer are saved by the checkpoint itself.
+        """
+        return {"algorithm": self.name, "steps": self.metrics.steps, **self._state()}
+
+    def _state(self) -> dict[str, Any]:
+        """Algorithm-specific part of :meth:`state_dict`."""
+        return {}
+
+    def load_state_dict(self, state: Mapping[str, Any], own: bool = True) -> None:
+        """Take a saved state (before or after :meth:`setup`).
+
+        Args:
+            state: what :meth:`state_dict` returned.
+            own: True when it is this rank's own state; False when it is another rank's
+                (rank 0's, after a restart on another number of ranks): the algorithm then
+                keeps only what every rank shares (the step count, a common anchor).
+
+        Raises:
+            CheckpointError: when the state is another algorithm's.
+        """
+        if state.get("algorithm") != self.name:
+            raise CheckpointError(f"saved state of asynchronous algorithm {state.get('algorithm')!r} "
+                                  f"cannot be loaded into {self.name!r}")
+        if self._setup_done:
+            self._load(state, own)
+        else:
+            self._loaded = (state, own)
+
+    def _load(self, state: Mapping[str, Any], own: bool) -> None:
+        """Algorithm-specific loading (after :meth:`_start`)."""
+        self.metrics.steps = int(state["steps"])
+
+    def restores_own_state(self, saved: Mapping[str, Any], saved_size: int) -> bool:
+        """Whether this rank's own saved state fits the job now.
+
+        Args:
+            saved: the saved algorithm's :meth:`describe`.
+            saved_size: the number of ranks that saved it.
+
+        Returns:
+            True when the number of ranks is unchanged.
+        """
+        return saved_size == self.comm.size
 
     def _average(self, replica: Replica) -> None:
         avg = self.comm.allreduce(replica.get_params(), "average", name="asyncdp.synchronize")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -10,7 +11,7 @@ import numpy as np
 from plait.compression import compressed_allreduce
 from plait.protocols import Communicator
 
-from .base import AsyncAlgorithm
+from .base import AsyncAlgorithm, load_memory, memory_state
 from .replica import Replica
 
 __all__ = ["DelayedAveraging"]
@@ -85,6 +86,27 @@ class DelayedAveraging(AsyncAlgorithm):
         self._last = grads
         self.metrics.steps += 1
 
+    def _state(self) -> dict[str, Any]:
+        """The average in flight (waited for now; the same on every rank) and this rank's
+        gradients it corrects, and its error-feedback residuals."""
+        memory = memory_state(self.memory)
+        if self._pending is None:
+            return {"pending": None, "last": self._last, "memory": memory}
+        with self.metrics.waiting():
+            pending = self._pending
+            avg = np.asarray(pending.result() if isinstance(pending, Future) else pending.wait(),
+                             dtype=np.float32)
+        self._pending = _completed(avg)
+        return {"pending": avg, "last": self._last, "memory": memory_state(self.memory)}
+
+    def _load(self, state: Mapping[str, Any], own: bool) -> None:
+        super()._load(state, own)
+        # another rank's gradients cannot correct this rank's step: drop the late average
+        pending, last = (state.get("pending"), state.get("last")) if own else (None, None)
+        self._pending = None if pending is None else _completed(np.asarray(pending, dtype=np.float32))
+        self._last = None if last is None else np.asarray(last, dtype=np.float32).copy()
+        load_memory(self.memory, state.get("memory"), own)
+
     def _finish(self, replica: Replica) -> None:
         self._apply_pending(replica, None)
         if self._pool is not None:
@@ -94,3 +116,10 @@ class DelayedAveraging(AsyncAlgorithm):
     def describe(self) -> dict[str, Any]:
         return {"algorithm": self.name, "correct": self.correct,
                 "compression": repr(self.compression) if self.compression is not None else None}
+
+
+def _completed(value: np.ndarray) -> Future[np.ndarray]:
+    """A finished future holding ``value`` (a restored or already waited average)."""
+    done: Future[np.ndarray] = Future()
+    done.set_result(value)
+    return done

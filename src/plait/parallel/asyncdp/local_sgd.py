@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -10,7 +11,7 @@ from plait.compression import compressed_allreduce
 from plait.errors import invalid
 from plait.protocols import Communicator
 
-from .base import AsyncAlgorithm
+from .base import AsyncAlgorithm, load_memory, memory_state
 from .replica import Replica
 
 __all__ = ["LocalSGD"]
@@ -90,6 +91,18 @@ class LocalSGD(AsyncAlgorithm):
 
     def _finish(self, replica: Replica) -> None:
         self._since = 0
+
+    def _state(self) -> dict[str, Any]:
+        """Steps since the last average, the last average (the same on every rank) and this
+        rank's error-feedback residuals."""
+        return {"since": self._since, "anchor": self._anchor, "memory": memory_state(self.memory)}
+
+    def _load(self, state: Mapping[str, Any], own: bool) -> None:
+        super()._load(state, own)
+        self._since = int(state["since"])
+        if state.get("anchor") is not None:
+            self._anchor = np.asarray(state["anchor"], dtype=np.float32).copy()
+        load_memory(self.memory, state.get("memory"), own)
 
     def describe(self) -> dict[str, Any]:
         return {"algorithm": self.name, "period": self.period, "warmup_steps": self.warmup,

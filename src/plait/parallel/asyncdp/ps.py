@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -13,9 +14,24 @@ from .base import AsyncAlgorithm
 from .mailbox import DONE, UPDATE, Mailbox, Message
 from .replica import Replica
 
-__all__ = ["ParameterServer", "shard_bounds"]
+__all__ = ["ParameterServer", "Snapshot", "shard_bounds"]
 
-_PUSH_TAG, _REPLY_TAG = 7501, 7511
+_PUSH_TAG, _REPLY_TAG, _SNAP_TAG = 7501, 7511, 7521
+
+
+class Snapshot(Protocol):
+    """Where servers write checkpoints (``plait.Checkpoint.snapshot`` makes one)."""
+
+    #: take a snapshot whenever the workers reach a multiple of this step.
+    every: int
+
+    def pack(self) -> np.ndarray:
+        """This server's checkpoint files (model, optimizer, RNG, algorithm state) as uint8."""
+        ...
+
+    def write(self, step: int, others: Mapping[int, np.ndarray]) -> Any:
+        """Server 0: write its files and the other servers' packed files as one checkpoint."""
+        ...
 
 
 def shard_bounds(numel: int, servers: int) -> list[tuple[int, int]]:
@@ -45,6 +61,13 @@ class ParameterServer(AsyncAlgorithm):
     ``synchronize()``); then every rank calls :meth:`synchronize`, after which all
     ranks hold the servers' final parameters.
 
+    Checkpoints (``serve(replica, snapshot)``) are consistent snapshots: at each
+    multiple ``t`` of ``snapshot.every`` the servers hold back pushes of step ``t``
+    and later until every worker still training has had exactly ``t`` updates
+    applied; then each server sends its shard and files to server 0, which writes
+    one checkpoint whose model is the whole current model. Workers restored from it
+    all resume at step ``t``: no update is lost or applied twice.
+
     Args:
         comm: the data-parallel communicator (point-to-point needed).
         servers: number of server ranks (1 .. size-1).
@@ -69,6 +92,9 @@ class ParameterServer(AsyncAlgorithm):
         self._bounds: list[tuple[int, int]] = []
         self._versions: list[int] = []
         self._served = False
+        self._version = 0  # server: updates applied to its shard
+        self._resume = 0  # the step every worker restarts from (restored snapshot)
+        self._snap: dict[str, Any] = {}  # server: what the snapshot being written records
 
     @property
     def role(self) -> str:
@@ -78,6 +104,8 @@ class ParameterServer(AsyncAlgorithm):
     def workers(self) -> list[int]:
         """The worker ranks."""
         return list(range(self.servers, self.comm.size))
+
+    checkpoint_kind = "server"
 
     def _start(self, replica: Replica) -> None:
         self._bounds = shard_bounds(replica.numel, self.servers)
@@ -114,8 +142,12 @@ class ParameterServer(AsyncAlgorithm):
         self.metrics.messages += 2 * self.servers
 
     # -- server --------------------------------------------------------------------------
-    def serve(self, replica: Replica) -> None:
+    def serve(self, replica: Replica, snapshot: Snapshot | None = None) -> None:
         """Apply pushes as they arrive until every worker finished (server ranks).
+
+        Args:
+            replica: this server's replica.
+            snapshot: where to write checkpoints (every ``snapshot.every`` worker steps).
 
         Raises:
             RuntimeError: on a worker rank.
@@ -128,10 +160,11 @@ class ParameterServer(AsyncAlgorithm):
         lo, hi = self._bounds[self.comm.rank]
         box = Mailbox(self.comm, self.workers, lambda _w: hi - lo, _PUSH_TAG)
         active = set(self.workers)
-        done_steps = {w: 0 for w in self.workers}
+        done_steps = {w: self._resume for w in self.workers}
         pending: list[Message] = []
         held: set[int] = set()
-        version = 0
+        every = None if snapshot is None else int(snapshot.every)
+        next_snap = None if every is None else (self._resume // every + 1) * every
         while active or pending:
             with self.metrics.waiting():
                 arrived = box.take(True, "worker pushes")
@@ -140,38 +173,99 @@ class ParameterServer(AsyncAlgorithm):
                     active.discard(msg[0])
                 else:
                     pending.append(msg)
-            progress = True
-            while progress:
-                progress = False
-                slowest = min((done_steps[w] for w in active), default=None)
-                for msg in list(pending):
-                    worker, head, payload = msg
-                    step = int(head[1])
-                    if self.bound is not None and slowest is not None and step - slowest > self.bound:
-                        if worker not in held:
-                            held.add(worker)
-                        continue
-                    pending.remove(msg)
-                    full = np.zeros(replica.numel, np.float32)
-                    full[lo:hi] = payload if payload is not None else 0.0
-                    replica.set_grads(full)
-                    replica.apply()
-                    stale = version - int(head[2])
-                    version += 1
-                    self.metrics.staleness.append(stale)
-                    self.metrics.steps += 1
-                    was_held = 1 if worker in held else 0
-                    held.discard(worker)
-                    self.metrics.blocked_steps += was_held
-                    self.comm.send(np.array([0, version, stale, was_held], np.int64), worker, _REPLY_TAG)
-                    self.comm.send(np.ascontiguousarray(replica.get_params()[lo:hi]), worker,
-                                   _REPLY_TAG + 1)
-                    self.metrics.messages += 1
-                    done_steps[worker] = step + 1
-                    progress = True
+            while True:
+                while self._apply_one(replica, pending, done_steps, active, held, next_snap, lo, hi):
+                    pass
+                if next_snap is None or not _snapshot_due(next_snap, done_steps, active):
                     break
+                assert snapshot is not None and every is not None
+                self._snapshot(replica, snapshot, next_snap)
+                next_snap += every
         box.close()
         self._served = True
+
+    def _apply_one(self, replica: Replica, pending: list[Message], done_steps: dict[int, int],
+                   active: set[int], held: set[int], next_snap: int | None, lo: int, hi: int) -> bool:
+        """Apply the first pending push allowed now (staleness bound, snapshot step); reply."""
+        slowest = min((done_steps[w] for w in active), default=None)
+        for msg in list(pending):
+            worker, head, payload = msg
+            step = int(head[1])
+            waits_snapshot = next_snap is not None and step >= next_snap
+            too_far = self.bound is not None and slowest is not None and step - slowest > self.bound
+            if waits_snapshot or too_far:
+                held.add(worker)
+                continue
+            pending.remove(msg)
+            full = np.zeros(replica.numel, np.float32)
+            full[lo:hi] = payload if payload is not None else 0.0
+            replica.set_grads(full)
+            replica.apply()
+            stale = self._version - int(head[2])
+            self._version += 1
+            self.metrics.staleness.append(stale)
+            self.metrics.steps += 1
+            was_held = 1 if worker in held else 0
+            held.discard(worker)
+            self.metrics.blocked_steps += was_held
+            self.comm.send(np.array([0, self._version, stale, was_held], np.int64), worker, _REPLY_TAG)
+            self.comm.send(np.ascontiguousarray(replica.get_params()[lo:hi]), worker, _REPLY_TAG + 1)
+            self.metrics.messages += 1
+            done_steps[worker] = step + 1
+            return True
+        return False
+
+    def _snapshot(self, replica: Replica, snapshot: Snapshot, step: int) -> None:
+        """Every worker is at ``step``: servers send shard and files to server 0, which writes."""
+        rank = self.comm.rank
+        self._snap = {"steps": step, "version": self._version, "versions": []}
+        if rank != 0:
+            lo, hi = self._bounds[rank]
+            blob = snapshot.pack()
+            self.comm.send(np.array([step, self._version, blob.size], np.int64), 0, _SNAP_TAG)
+            self.comm.send(np.ascontiguousarray(replica.get_params()[lo:hi]), 0, _SNAP_TAG + 1)
+            self.comm.send(blob, 0, _SNAP_TAG + 2)
+            return
+        full, versions, others = replica.get_params(), [self._version], {}
+        with self.metrics.waiting():
+            for j in range(1, self.servers):
+                lo, hi = self._bounds[j]
+                head = np.asarray(self.comm.recv(np.zeros(3, np.int64), j, _SNAP_TAG))
+                if int(head[0]) != step:
+                    raise RuntimeError(f"parameter server {j} snapshot of step {int(head[0])} arrived "
+                                       f"while server 0 takes step {step}'s")
+                full[lo:hi] = np.asarray(self.comm.recv(np.zeros(hi - lo, np.float32), j, _SNAP_TAG + 1))
+                others[j] = np.asarray(self.comm.recv(np.zeros(int(head[2]), np.uint8), j, _SNAP_TAG + 2))
+                versions.append(int(head[1]))
+        # server 0 never serves the other shards: its copy of them may be overwritten
+        replica.set_params(full)
+        self._snap["versions"] = versions
+        snapshot.write(step, others)
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        """The snapshot being written (servers only): the workers' step, this server's
+        version and (server 0) every server's."""
+        if not self._snap:
+            raise RuntimeError("parameter-server state is saved by the servers' snapshots "
+                               "(serve(checkpoint=...)), not by workers")
+        return {"servers": self.servers, **self._snap}
+
+    def _load(self, state: Mapping[str, Any], own: bool) -> None:
+        super()._load(state, own)
+        self._resume = int(state["steps"])
+        versions = [int(v) for v in state.get("versions", [])]
+        same = int(state["servers"]) == self.servers and len(versions) == self.servers
+        if self.is_server:
+            self.metrics.steps = 0
+            self._version = int(state["version"]) if own else (versions[self.comm.rank] if same else 0)
+        else:
+            self._versions = versions if same else [0] * self.servers
+
+    def restores_own_state(self, saved: Mapping[str, Any], saved_size: int) -> bool:
+        """Servers take their own snapshot back when the number of servers is unchanged
+        (the number of workers may differ); workers have none."""
+        return self.is_server and saved.get("servers") == self.servers
 
     # -- end ---------------------------------------------------------------------------------
     def _finish(self, replica: Replica) -> None:
@@ -192,3 +286,9 @@ class ParameterServer(AsyncAlgorithm):
 
     def describe(self) -> dict[str, Any]:
         return {"algorithm": self.name, "servers": self.servers, "staleness": self.bound}
+
+
+def _snapshot_due(step: int, done_steps: Mapping[int, int], active: set[int]) -> bool:
+    """Every worker still training has had exactly ``step`` updates applied (and one has)."""
+    return (all(done_steps[w] == step for w in active)
+            and any(n == step for n in done_steps.values()))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -122,6 +123,26 @@ class StaleSynchronous(AsyncAlgorithm):
         if rest is not None:
             replica.set_grads(rest)
             replica.apply()
+
+    def _state(self) -> dict[str, Any]:
+        """Every peer gradient of the steps before this one, received (waited for now) and
+        not applied yet. Every rank saves at the same step, so none of a later step exists."""
+        t, box = self.metrics.steps, self._mailbox
+        if box is not None:
+            with self.metrics.waiting():
+                while not all(p in self._done or n >= t for p, n in self._received.items()):
+                    self._absorb(box.take(True, f"peer gradients before step {t} (checkpoint)"))
+        inbox = sorted(self._inbox, key=lambda u: (u[0], u[1]))
+        return {"inbox": [{"step": s, "rank": r, "grads": g} for s, r, g in inbox]}
+
+    def _load(self, state: Mapping[str, Any], own: bool) -> None:
+        super()._load(state, own)
+        t = self.metrics.steps
+        self._received = {p: t for p in self._received}  # peers resume sending at step t
+        self._done = set()
+        # another rank's unapplied gradients are not this rank's to apply: start empty
+        self._inbox = [(int(u["step"]), int(u["rank"]), np.asarray(u["grads"], dtype=np.float32))
+                       for u in state["inbox"]] if own else []
 
     def describe(self) -> dict[str, Any]:
         return {"algorithm": self.name, "staleness": self.staleness}
