@@ -6,15 +6,16 @@ Run::
 
 Kill any rank (``kill -9``) while it trains: ``plait run`` relaunches the job, which
 resumes from the latest complete checkpoint and ends with the same weights as an
-uninterrupted run. Relaunched on fewer hosts (elastic by restart), every rank
-re-shards the data by its new rank/size and keeps the global batch
-(``PLAIT_ELASTIC_POLICY=keep_batch``) or its own batch with a scaled learning rate
-(``scale_lr``).
+uninterrupted run (the last line prints a digest of them to compare). Relaunched on
+fewer hosts (elastic by restart), every rank re-shards the data by its new rank/size
+and keeps the global batch (``PLAIT_ELASTIC_POLICY=keep_batch``) or its own batch
+with a scaled learning rate (``scale_lr``).
 """
 
 from __future__ import annotations
 
 import argparse
+import hashlib
 
 import numpy as np
 import torch
@@ -63,7 +64,9 @@ def main() -> None:
         opt.step()
         ckpt.step_done(step + 1, model, opt)
     if comm.rank == 0:
-        print(f"done: {args.steps} steps, last loss {loss.item():.4f}", flush=True)
+        digest = hashlib.sha256(b"".join(q.detach().numpy().tobytes() for q in model.parameters()))
+        print(f"done: {args.steps} steps, last loss {loss.item():.4f}, "
+              f"weights sha256 {digest.hexdigest()[:16]}", flush=True)
 
 
 if __name__ == "__main__":

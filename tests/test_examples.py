@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 from jobs import ROOT, mpi_env, run_job
@@ -84,3 +87,67 @@ def test_async_digits_local_sgd():
     found = re.findall(r"local_sgd: held-out accuracy ([0-9.]+)%", result.output)
     assert found, result.tail()
     assert float(found[-1]) >= 85.0
+
+
+# -- the resumable example under plait run --restarts, one of its ranks killed from outside ----------
+def rank_pids(script: str, rank: int) -> list[int]:
+    """Processes running ``script`` as MPI rank ``rank`` (read from /proc)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read().split(b"\0")
+        except OSError:
+            continue
+        if any(a.endswith(script.encode()) for a in argv[1:2]) and \
+                f"OMPI_COMM_WORLD_RANK={rank}".encode() in env:
+            found.append(int(entry))
+    return found
+
+
+def test_resumable_example_survives_a_rank_killed_from_outside(tmp_path):
+    """``kill -9`` of rank 1 while it trains: plait run relaunches, the job resumes from the
+    latest checkpoint and ends with the weights of an uninterrupted run (same digest)."""
+    def argv(ckpt, restarts):
+        return [sys.executable, "-m", "plait.cli", "run", "-np", "2", "--timeout", "300",
+                "--restarts", str(restarts), "--restart-backoff", "0.5", "--", sys.executable,
+                "examples/resumable_digits.py", "--ckpt", str(ckpt), "--steps", "3000", "--every", "50"]
+
+    ref = subprocess.run(argv(tmp_path / "ref", 0), cwd=ROOT, env=mpi_env(), capture_output=True,
+                         text=True, timeout=400)
+    assert ref.returncode == 0, ref.stdout[-2000:] + ref.stderr[-2000:]
+    done = re.findall(r"done: 3000 steps, .*", ref.stdout)
+    assert done, ref.stdout[-2000:]
+    from plait.checkpoint import Checkpoint
+
+    ckpt = Checkpoint(tmp_path / "ck")
+    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
+        proc = subprocess.Popen(argv(tmp_path / "ck", 2), cwd=ROOT, env=mpi_env(), stdout=out, stderr=err,
+                                text=True, start_new_session=True)
+        try:
+            killed, deadline = [], time.monotonic() + 300
+            while not killed and proc.poll() is None and time.monotonic() < deadline:
+                entry = ckpt.latest() if (tmp_path / "ck").exists() else None
+                if entry is not None and entry.step >= 100:
+                    killed = rank_pids("examples/resumable_digits.py", 1)
+                    for pid in killed:
+                        os.kill(pid, signal.SIGKILL)
+                time.sleep(0.05)
+            assert killed, "rank 1 was not found running before the job ended"
+            proc.wait(timeout=400)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    context = stdout[-2000:] + stderr[-3000:]
+    assert proc.returncode == 0, context
+    resumed = re.findall(r"restart 1: 2 ranks, resuming at step (\d+)", stdout)
+    assert resumed and int(resumed[0]) >= 100, context
+    assert re.findall(r"done: 3000 steps, .*", stdout) == done, context

@@ -1,9 +1,10 @@
 """Fault tolerance: SIGKILLed ranks, automatic restarts, elastic restart, dead peers,
 Horovod elastic on emulated hosts, and the restart logic itself (unit tests at the end).
 
-The training job is tests/parallel/job_ckpt_train.py (2-rank digits MLP, checkpoint every
-2 steps) started by ``plait run --restarts``. Every job runs under ``--timeout`` and a
-harness timeout.
+The training job is tests/parallel/job_ckpt_train.py (2-rank digits MLP, torch or Keras 3,
+checkpoint every 2 steps) started by ``plait run --restarts``; a parameter-server job
+(tests/parallel/job_ckpt_ps.py) is killed and resumed from the servers' snapshot. Every
+job runs under ``--timeout`` and a harness timeout.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 from jobs import ROOT, mpi_env
 
@@ -55,19 +57,17 @@ def plait_run(args: list[str], env: dict[str, str], timeout: float) -> subproces
                           timeout=timeout, start_new_session=True)
 
 
-def train(tmp: Path, name: str, data: str, kill: str, restarts: int,
-          on_restart: Callable[[int], None] | None = None) -> tuple[int, str, str]:
-    """Run the digits job under ``plait run --restarts``; return (status, stdout, stderr).
+def launch(tmp: Path, name: str, job: str, np: int, env: dict[str, str], restarts: int,
+           on_restart: Callable[[int], None] | None = None) -> tuple[int, str, str]:
+    """Run ``job`` on ``np`` ranks under ``plait run --restarts``; return (status, stdout, stderr).
 
     ``on_restart(k)`` is called as soon as ``plait run`` announces restart ``k``: the killed
     attempt has ended and the next one has not started (back-off), so the checkpoint
     directory is as the killed attempt left it.
     """
-    env = {"FT_DATA": data, "FT_DIR": str(tmp / name), "FT_OUT": str(tmp / f"{name}.pt"),
-           "FT_STEPS": str(STEPS), "FT_EVERY": "2", "FT_KILL": kill}
-    argv = [sys.executable, "-m", "plait.launch.run", "-np", "2", "--oversubscribe",
+    argv = [sys.executable, "-m", "plait.launch.run", "-np", str(np), "--oversubscribe",
             "--timeout", "90", "--restarts", str(restarts), "--restart-backoff", "0.5", "--",
-            sys.executable, JOB]
+            sys.executable, job]
     with open(tmp / f"{name}.out", "w+") as out:
         proc = subprocess.Popen(argv, cwd=ROOT, env=mpi_env(env), stdout=out,
                                 stderr=subprocess.PIPE, text=True, start_new_session=True)
@@ -91,11 +91,28 @@ def train(tmp: Path, name: str, data: str, kill: str, restarts: int,
         return status, out.read(), "".join(lines)
 
 
-def weights(path: Path) -> dict[str, object]:
-    return torch.load(path, weights_only=True)
+def train(tmp: Path, name: str, data: str, kill: str, restarts: int,
+          on_restart: Callable[[int], None] | None = None,
+          more: dict[str, str] | None = None) -> tuple[int, str, str]:
+    """The 2-rank digits job (``more``: extra environment, e.g. FT_FRAMEWORK=keras)."""
+    env = {"FT_DATA": data, "FT_DIR": str(tmp / name), "FT_OUT": str(tmp / f"{name}.out.npz"),
+           "FT_STEPS": str(STEPS), "FT_EVERY": "2", "FT_KILL": kill, **(more or {})}
+    return launch(tmp, name, JOB, 2, env, restarts, on_restart)
 
 
-def model_and_optimizer() -> tuple[object, object]:
+def weights(path: Path) -> list[np.ndarray]:
+    with np.load(path) as saved:
+        return [saved[f"arr_{i}"] for i in range(len(saved.files))]
+
+
+def model_and_optimizer(framework: str = "torch") -> tuple[object, object]:
+    """What the job trains, for loading its checkpoints here (tests/parallel/job_ckpt_train.py)."""
+    if framework == "keras":
+        import keras
+
+        model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                                  keras.layers.Dropout(0.1, seed=7), keras.layers.Dense(10)])
+        return model, keras.optimizers.SGD(learning_rate=0.05, momentum=0.9)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Dropout(0.1),
                                 torch.nn.Linear(32, 10))
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -127,19 +144,22 @@ def saved_range(step: int, during_save: bool) -> tuple[int, int]:
     return 2 * ((done - 1) // 2), done
 
 
-@pytest.mark.timeout(1200)
-def test_random_sigkills_resume_to_bitwise_equal_weights(tmp_path: Path, digits: str) -> None:
-    """10 runs, each SIGKILLing a random rank at random steps (some during a checkpoint
-    write); the latest checkpoint loads after every killed attempt; the final weights
-    equal the uninterrupted run's bit for bit. Reproduce a failure with PLAIT_FT_SEED."""
-    status, _, err = train(tmp_path, "ref", digits, "", 0)
+def sigkill_runs(tmp_path: Path, digits: str, framework: str, runs: int) -> int:
+    """``runs`` runs of the digits job, each SIGKILLing a random rank at random steps (some
+    during a checkpoint write, two kills in every fifth run); the latest checkpoint loads
+    after every killed attempt; the final weights equal the uninterrupted run's bit for bit.
+    Reproduce a failure with PLAIT_FT_SEED. Returns the number of kills."""
+    more = {"FT_FRAMEWORK": framework}
+    status, _, err = train(tmp_path, "ref", digits, "", 0, more=more)
     assert status == 0, err[-3000:]
-    expected = weights(tmp_path / "ref.pt")
+    expected = weights(tmp_path / "ref.out.npz")
     seed = int(os.environ.get("PLAIT_FT_SEED", str(random.SystemRandom().randrange(10**6))))
-    print(f"\n[fault tolerance] PLAIT_FT_SEED={seed}")
+    print(f"\n[fault tolerance] {framework} PLAIT_FT_SEED={seed}")
     killed = 0
-    for run in range(RUNS):
+    for run in range(runs):
         points = schedule(random.Random(f"{seed}-{run}"), 2 if run % 5 == 4 else 1)
+        if run == 1 and not any(w for _, _, w in points):  # at least one kill during a save
+            points = [(r, s, True) for r, s, _ in points]
         kill = kill_spec(points)
         name = f"run{run}"
         print(f"[fault tolerance] {name}: FT_KILL={kill}")
@@ -150,7 +170,7 @@ def test_random_sigkills_resume_to_bitwise_equal_weights(tmp_path: Path, digits:
             # restart k follows the kill of attempt k-1
             _, step, during_save = points[restart - 1]
             ckpt = Checkpoint(tmp_path / name)
-            model, opt = model_and_optimizer()
+            model, opt = model_and_optimizer(framework)
             got = ckpt.restore(model, opt)  # raises CheckpointError if the latest is broken
             entry = ckpt.latest()
             assert got == (entry.step if entry is not None else 0), (seed, kill, restart)
@@ -159,7 +179,7 @@ def test_random_sigkills_resume_to_bitwise_equal_weights(tmp_path: Path, digits:
             loaded.append(got)
 
         began = time.monotonic()
-        status, out, err = train(tmp_path, name, digits, kill, len(points), latest_loads)
+        status, out, err = train(tmp_path, name, digits, kill, len(points), latest_loads, more)
         print(f"[fault tolerance] {name}: {len(points) + 1} attempts in {time.monotonic() - began:.0f}s")
         context = f"PLAIT_FT_SEED={seed} FT_KILL={kill}\n{err[-3000:]}\n{out[-1500:]}"
         assert status == 0, context
@@ -169,13 +189,58 @@ def test_random_sigkills_resume_to_bitwise_equal_weights(tmp_path: Path, digits:
         resumed = [int(m) for m in re.findall(r"FT rank=0 attempt=\d+ resumed=(\d+)", out)]
         # every relaunch resumed from exactly the checkpoint the test loaded after the kill
         assert resumed == [0, *loaded], context
-        got = weights(tmp_path / f"{name}.pt")
-        assert sorted(got) == sorted(expected), context
-        for key, value in expected.items():
-            assert torch.equal(got[key], value), f"{key} differs; {context}"
-        model, opt = model_and_optimizer()
+        got = weights(tmp_path / f"{name}.out.npz")
+        assert len(got) == len(expected), context
+        for i, (a, b) in enumerate(zip(got, expected, strict=True)):
+            assert np.array_equal(a, b), f"weight {i} differs; {context}"
+        model, opt = model_and_optimizer(framework)
         assert Checkpoint(tmp_path / name).restore(model, opt) == STEPS, context
-    assert killed >= 12
+    return killed
+
+
+@pytest.mark.timeout(1200)
+def test_random_sigkills_resume_to_bitwise_equal_weights(tmp_path: Path, digits: str) -> None:
+    """torch: 10 runs, 12 kills."""
+    assert sigkill_runs(tmp_path, digits, "torch", RUNS) >= 12
+
+
+@pytest.mark.timeout(900)
+def test_random_sigkills_keras_resume_to_bitwise_equal_weights(tmp_path: Path, digits: str) -> None:
+    """Keras 3 (op determinism on, dropout drawn from Keras seed generators): 3 runs."""
+    assert sigkill_runs(tmp_path, digits, "keras", 3) >= 3
+
+
+PS_JOB = str(ROOT / "tests" / "parallel" / "job_ckpt_ps.py")
+
+
+@pytest.mark.timeout(400)
+def test_killed_parameter_server_job_resumes_from_the_servers_snapshot(tmp_path: Path) -> None:
+    """1 server + 2 workers, snapshots every 5 steps; worker rank 2 is slower (worker 1 is
+    held at each snapshot step) and is SIGKILLed before its step 13. The latest snapshot
+    is step 10 and holds exactly 10 exact updates of each worker; the relaunch resumes
+    there and ends with exactly 40 of each: nothing lost, nothing applied twice."""
+    sys.path.insert(0, str(ROOT / "tests" / "parallel"))
+    try:
+        from job_ckpt_ps import expected
+    finally:
+        sys.path.pop(0)
+    directory = tmp_path / "ps"
+    seen: list[int] = []
+
+    def snapshot_is_exact(restart: int) -> None:
+        model = torch.nn.Linear(8, 1, bias=False)
+        seen.append(Checkpoint(directory).restore(model))
+        assert np.array_equal(model.weight.detach().numpy().reshape(-1), expected(seen[-1])), seen
+
+    env = {"FT_DIR": str(directory), "FT_STEPS": "40", "FT_EVERY": "5", "FT_KILL": "0:2:13",
+           "FT_SLEEP": "0.05", "PLAIT_TIMEOUT": "60"}
+    status, out, err = launch(tmp_path, "ps", PS_JOB, 3, env, 1, snapshot_is_exact)
+    context = f"{err[-3000:]}\n{out[-2000:]}"
+    assert status == 0, context
+    assert "exited on signal 9" in err and seen == [10], context
+    assert sorted(re.findall(r"PS rank=(\d) attempt=1 resumed=(\d+)", out)) == [
+        ("0", "10"), ("1", "10"), ("2", "10")], context
+    assert "PS done steps=40 exact=True" in out, context
 
 
 DEAD = """
@@ -213,7 +278,7 @@ Factory = Callable[..., EmulatedHosts]
 def test_elastic_restart_excludes_a_host_whose_link_went_down(
         emulated_hosts: Factory, tmp_path: Path, digits: str) -> None:  # noqa: F811
     hosts = emulated_hosts(3)
-    env = mpi_env({"FT_DATA": digits, "FT_DIR": str(tmp_path / "ck"), "FT_OUT": str(tmp_path / "w.pt"),
+    env = mpi_env({"FT_DATA": digits, "FT_DIR": str(tmp_path / "ck"), "FT_OUT": str(tmp_path / "w.npz"),
                    "FT_STEPS": "40", "FT_EVERY": "2", "FT_BATCH": "96", "FT_BASE_SIZE": "3",
                    "FT_SLEEP": "0.2", "PLAIT_TIMEOUT": "5"})
     env["PATH"] = f"{hosts.bin_dir}:{env['PATH']}"
