@@ -316,3 +316,66 @@ def test_keras_round_trip_npz_without_pickle(tmp_path: Path) -> None:
         assert np.array_equal(a, b), what
     with pytest.raises(CheckpointError, match="framework 'tensorflow'"):
         Checkpoint(tmp_path).restore(*make())
+
+
+def test_rank_files_pack_merge_and_split() -> None:
+    from plait.checkpoint.ranks import merge_ranks, pack, rank_prefix, split_ranks, unpack
+
+    files = {"state.pt": b"\x00\x01abc", "empty": b""}
+    header, back = unpack(pack({"step": 4}, files))
+    assert header == {"step": 4} and back == files
+    merged = merge_ranks(files, {2: {"state.pt": b"two"}, 1: {"state.pt": b"one"}})
+    assert sorted(merged) == ["empty", "rank00001.state.pt", "rank00002.state.pt", "state.pt"]
+    assert rank_prefix(12) == "rank00012."
+    top, ranked = split_ranks(merged)
+    assert top == files and ranked == {1: {"state.pt": b"one"}, 2: {"state.pt": b"two"}}
+    with pytest.raises(CheckpointError, match="garbled"):
+        unpack(np.frombuffer(b"\x05\x00\x00\x00\x00\x00\x00\x00{nope", dtype=np.uint8))
+    with pytest.raises(CheckpointError, match=r"has \d+ bytes, its header describes \d+"):
+        unpack(np.concatenate([pack({}, {"a": b"xyz"}), np.zeros(1, np.uint8)]))
+
+
+def test_only_error_feedback_memories_and_async_state_are_per_rank() -> None:
+    from plait.checkpoint import AlgorithmState, as_stateful, is_per_rank
+    from plait.compression import Residual
+
+    assert is_per_rank(as_stateful(Residual()))
+    assert is_per_rank(AlgorithmState(object()))
+    assert not is_per_rank(as_stateful(torch.nn.Linear(1, 1)))
+
+
+def test_parameter_server_snapshot_waits_for_every_worker_still_training() -> None:
+    from plait.parallel.asyncdp.ps import _snapshot_due
+
+    assert _snapshot_due(10, {2: 10, 3: 10}, {2, 3})
+    assert not _snapshot_due(10, {2: 10, 3: 9}, {2, 3})
+    assert _snapshot_due(10, {2: 10, 3: 7}, {2})  # worker 3 finished after 7 steps
+    assert not _snapshot_due(10, {2: 7, 3: 7}, set())  # everyone finished before step 10
+
+
+KERAS_DETERMINISM = """
+import os, sys
+os.environ["KERAS_BACKEND"] = "tensorflow"
+import keras, numpy as np, tensorflow as tf
+from plait.checkpoint import Checkpoint
+tf.config.experimental.enable_op_determinism()
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dropout(0.5)])
+opt = keras.optimizers.SGD(0.1)
+model.compile(opt, "mse")
+model.fit(np.ones((4, 4)), np.ones((4, 3)), verbose=0)
+Checkpoint(sys.argv[1]).save(1, model, opt)
+other = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), keras.layers.Dropout(0.5)])
+assert Checkpoint(sys.argv[1]).restore(other, keras.optimizers.SGD(0.1)) == 1
+assert all(np.array_equal(a, b) for a, b in zip(model.get_weights(), other.get_weights()))
+print("ok")
+"""
+
+
+def test_keras_checkpoint_with_op_determinism_on(tmp_path: Path) -> None:
+    """TensorFlow refuses to make its global generator under op determinism: saving the
+    RNG states must not ask it to."""
+    pytest.importorskip("keras")
+    proc = subprocess.run([sys.executable, "-c", KERAS_DETERMINISM, str(tmp_path)], capture_output=True,
+                          text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
