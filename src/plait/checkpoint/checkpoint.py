@@ -313,10 +313,11 @@ class Checkpoint:
             return None
         meta = dict(header["meta"])
         own: dict[str, bytes] | None = top if comm.rank == 0 else None
-        if meta.get("per_rank"):
-            blobs = [pack({}, ranked.get(r, {}) if r else {}) for r in range(comm.size)]
-            _, mine = unpack(scatter_from_root(comm, blobs if comm.rank == 0 else None,
-                                               "plait.checkpoint.ranks"))
+        if meta.get("per_rank"):  # each rank gets its own files (rank 0 has them above)
+            blobs = None
+            if comm.rank == 0:
+                blobs = [pack({}, ranked.get(r, {}) if r else {}) for r in range(comm.size)]
+            _, mine = unpack(scatter_from_root(comm, blobs, "plait.checkpoint.ranks"))
             if comm.rank != 0 and mine:
                 own = mine
         return int(header["step"]), top, own, meta
