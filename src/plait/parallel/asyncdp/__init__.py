@@ -23,6 +23,11 @@ backend under mpirun); ``parameter_server`` and ``ssp`` allow ranks to stop afte
 different numbers of steps, the collective algorithms do not (ranks that call
 different collectives get a MismatchError).
 
+Checkpoints: ``plait.Checkpoint`` saves every rank's algorithm state
+(:meth:`AsyncAlgorithm.state_dict`, taken at the same step on every rank after
+draining what is in flight) with its replica; parameter servers instead write
+consistent snapshots from ``optimizer.serve(checkpoint=ckpt, model=model)``.
+
 This package is framework-free: algorithms see the model as flat float32 numpy
 vectors through :class:`Replica`; ``plait.adapters.torch_async`` and
 ``plait.adapters.tf_async`` implement it.
