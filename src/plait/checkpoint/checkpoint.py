@@ -229,14 +229,16 @@ class Checkpoint:
             if blobs is None:
                 return None
             others = {r: unpack(b)[1] for r, b in enumerate(blobs) if r}
-        meta = self._meta(codec.framework, states, optimizer, algorithm, sorted(others))
-        return write_checkpoint(self.directory, step, merge_ranks(files, others), meta, self.keep)
+        return self._write(step, codec.framework, files, others, states, optimizer, algorithm)
 
-    def _meta(self, framework: str, states: Mapping[str, Stateful], optimizer: Any, algorithm: Any,
-              ranks: list[int]) -> dict[str, Any]:
-        return {"framework": framework, "world_size": self.size,
+    def _write(self, step: int, framework: str, files: Mapping[str, bytes],
+               others: Mapping[int, Mapping[str, bytes]], states: Mapping[str, Stateful], optimizer: Any,
+               algorithm: Any) -> Entry:
+        """Rank 0: write its ``files`` and the other ranks' (``others``) as one checkpoint."""
+        meta = {"framework": framework, "world_size": self.size,
                 "state": sorted(k for k in states if k != ASYNC_STATE), "optimizer": optimizer is not None,
-                "per_rank": ranks, "async": None if algorithm is None else algorithm.describe()}
+                "per_rank": sorted(others), "async": None if algorithm is None else algorithm.describe()}
+        return write_checkpoint(self.directory, step, merge_ranks(files, others), meta, self.keep)
 
     def snapshot(self, model: Any, optimizer: Any) -> ServerSnapshot:
         """What a parameter server writes through (``optimizer.serve(checkpoint=self, model=model)``).
@@ -434,7 +436,6 @@ class ServerSnapshot:
             The written entry.
         """
         theirs = {int(r): unpack(b)[1] for r, b in others.items()}
-        ckpt = self.checkpoint
-        states = {ASYNC_STATE: AlgorithmState(self.algorithm)}
-        meta = ckpt._meta(self._codec.framework, states, self.optimizer, self.algorithm, sorted(theirs))
-        return write_checkpoint(ckpt.directory, step, merge_ranks(self.files(), theirs), meta, ckpt.keep)
+        return self.checkpoint._write(step, self._codec.framework, self.files(), theirs,
+                                      {ASYNC_STATE: AlgorithmState(self.algorithm)}, self.optimizer,
+                                      self.algorithm)

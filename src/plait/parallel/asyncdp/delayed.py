@@ -57,13 +57,17 @@ class DelayedAveraging(AsyncAlgorithm):
         return self._pool.submit(compressed_allreduce, self.comm, grads, "asyncdp.delayed",
                                  self.compression, self.memory, True)
 
+    def _wait_pending(self) -> np.ndarray:
+        """The average in flight (a handle, or a future on the compression thread)."""
+        with self.metrics.waiting():
+            pending = self._pending
+            return np.asarray(pending.result() if isinstance(pending, Future) else pending.wait(),
+                              dtype=np.float32)
+
     def _apply_pending(self, replica: Replica, fresh: np.ndarray | None) -> None:
         update = fresh if self.correct else None
         if self._pending is not None:
-            with self.metrics.waiting():
-                pending = self._pending
-                avg = np.asarray(pending.result() if isinstance(pending, Future) else pending.wait(),
-                                 dtype=np.float32)
+            avg = self._wait_pending()
             self._pending = None
             if self.correct and self._last is not None:
                 avg = avg - self._last
@@ -89,14 +93,10 @@ class DelayedAveraging(AsyncAlgorithm):
     def _state(self) -> dict[str, Any]:
         """The average in flight (waited for now; the same on every rank) and this rank's
         gradients it corrects, and its error-feedback residuals."""
-        memory = memory_state(self.memory)
-        if self._pending is None:
-            return {"pending": None, "last": self._last, "memory": memory}
-        with self.metrics.waiting():
-            pending = self._pending
-            avg = np.asarray(pending.result() if isinstance(pending, Future) else pending.wait(),
-                             dtype=np.float32)
-        self._pending = _completed(avg)
+        avg = None
+        if self._pending is not None:  # waited first: its compression thread updates the memory
+            avg = self._wait_pending()
+            self._pending = _completed(avg)
         return {"pending": avg, "last": self._last, "memory": memory_state(self.memory)}
 
     def _load(self, state: Mapping[str, Any], own: bool) -> None:

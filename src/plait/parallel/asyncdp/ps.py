@@ -79,6 +79,7 @@ class ParameterServer(AsyncAlgorithm):
 
     name = "parameter_server"
     point_to_point = True
+    checkpoint_kind = "server"
 
     def __init__(self, comm: Communicator, servers: int = 1, staleness: int | None = None) -> None:
         if not isinstance(servers, int) or isinstance(servers, bool) or not 1 <= servers < comm.size:
@@ -104,8 +105,6 @@ class ParameterServer(AsyncAlgorithm):
     def workers(self) -> list[int]:
         """The worker ranks."""
         return list(range(self.servers, self.comm.size))
-
-    checkpoint_kind = "server"
 
     def _start(self, replica: Replica) -> None:
         self._bounds = shard_bounds(replica.numel, self.servers)
@@ -163,8 +162,7 @@ class ParameterServer(AsyncAlgorithm):
         done_steps = {w: self._resume for w in self.workers}
         pending: list[Message] = []
         held: set[int] = set()
-        every = None if snapshot is None else int(snapshot.every)
-        next_snap = None if every is None else (self._resume // every + 1) * every
+        next_snap = None if snapshot is None else (self._resume // snapshot.every + 1) * snapshot.every
         while active or pending:
             with self.metrics.waiting():
                 arrived = box.take(True, "worker pushes")
@@ -176,11 +174,12 @@ class ParameterServer(AsyncAlgorithm):
             while True:
                 while self._apply_one(replica, pending, done_steps, active, held, next_snap, lo, hi):
                     pass
-                if next_snap is None or not _snapshot_due(next_snap, done_steps, active):
+                if snapshot is None or next_snap is None:
                     break
-                assert snapshot is not None and every is not None
+                if not _snapshot_due(next_snap, done_steps, active):
+                    break
                 self._snapshot(replica, snapshot, next_snap)
-                next_snap += every
+                next_snap += snapshot.every
         box.close()
         self._served = True
 
