@@ -217,8 +217,9 @@ class MPICommunicator(CommunicatorBase):
         self._poll(self.comm.Ibcast(out, root=root), "an object broadcast")
         return out
 
-    def _request(self, req: Any, finish: Callable[[], Any], keep: Any) -> Pending:
-        return Pending(req.Test, req.Wait, finish, keep)
+    def _request(self, req: Any, finish: Callable[[], Any], keep: Any, what: str) -> Pending:
+        """A handle whose ``wait()`` is bounded by the timeout, like every sync call."""
+        return Pending(req.Test, lambda: self._poll(req, what), finish, keep)
 
     def _reduce_plan(self, op: str, dtype: str) -> tuple[Any, Any]:
         if dtype == "bool":
@@ -255,7 +256,7 @@ class MPICommunicator(CommunicatorBase):
         def finish() -> Tensor:
             return ops.from_numpy(self._average(out, dtype) if op == "average" else out, tensor)
 
-        return self._request(req, finish, (buf, tensor))
+        return self._request(req, finish, (buf, tensor), "an allreduce")
 
     def allgather_async(self, tensor: Tensor, name: str | None = None) -> Handle:
         ops = self._ops(tensor, "allgather")
@@ -273,7 +274,8 @@ class MPICommunicator(CommunicatorBase):
         counts = rows * row_bytes
         out = np.empty((int(rows.sum()),) + buf.shape[1:], dtype=buf.dtype)
         req = self.comm.Iallgatherv(_flat_bytes(buf), [_flat_bytes(out), counts, MPI.BYTE])
-        return self._request(req, lambda: ops.from_numpy(out, tensor), (buf, tensor))
+        return self._request(req, lambda: ops.from_numpy(out, tensor), (buf, tensor),
+                             "an allgather")
 
     def broadcast_async(self, tensor: Tensor, root: int = 0, name: str | None = None) -> Handle:
         ops = self._ops(tensor, "broadcast")
@@ -286,7 +288,8 @@ class MPICommunicator(CommunicatorBase):
         self._verify(Call("broadcast", buf.shape, dtype, root=root, name=name))
         out = buf.copy() if self.rank == root else np.empty_like(buf)
         req = self.comm.Ibcast(_flat_bytes(out), root=root)
-        return self._request(req, lambda: ops.from_numpy(out, tensor), (buf, tensor))
+        return self._request(req, lambda: ops.from_numpy(out, tensor), (buf, tensor),
+                             "a broadcast")
 
     def alltoall_async(self, tensor: Tensor, splits: Sequence[int] | None = None,
                        name: str | None = None) -> Handle:
@@ -311,8 +314,8 @@ class MPICommunicator(CommunicatorBase):
         req = self.comm.Ialltoallv([_flat_bytes(buf), sc, sd, MPI.BYTE],
                                    [_flat_bytes(out), rc, rd, MPI.BYTE])
         return self._request(
-            req, lambda: (ops.from_numpy(out, tensor), [int(r) for r in recv]), (buf, tensor)
-        )
+            req, lambda: (ops.from_numpy(out, tensor), [int(r) for r in recv]), (buf, tensor),
+            "an alltoall")
 
     def alltoall(self, tensor: Tensor, splits: Sequence[int] | None = None,
                  name: str | None = None) -> tuple[Tensor, list[int]]:
@@ -343,7 +346,7 @@ class MPICommunicator(CommunicatorBase):
         def finish() -> Tensor:
             return ops.from_numpy(self._average(out, dtype) if op == "average" else out, tensor)
 
-        return self._request(req, finish, (buf, tensor))
+        return self._request(req, finish, (buf, tensor), "a reducescatter")
 
     def reducescatter(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Tensor:
         """Reduce over ranks and keep this rank's part of the first dimension."""
