@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -125,6 +126,68 @@ def test_corrupt_checkpoint_names_file_and_reason(tmp_path: Path, damage: str) -
         pattern = r"state\.pt: cannot be read"
     with pytest.raises(CheckpointError, match=pattern):
         Checkpoint(tmp_path).restore(*make(1))
+
+
+def damage_checkpoint(folder: Path, how: str) -> str:
+    """Damage one checkpoint directory; return the pattern its read error matches."""
+    state = folder / "state.pt"
+    if how == "truncate":
+        state.write_bytes(state.read_bytes()[:100])
+        return r"state\.pt: \d+ bytes, expected \d+"
+    if how == "flip":
+        data = bytearray(state.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        state.write_bytes(bytes(data))
+        return r"state\.pt: sha256 mismatch"
+    state.unlink()
+    return r"state\.pt: cannot be read"
+
+
+@pytest.mark.parametrize("damage", ["truncate", "flip", "missing"])
+def test_corrupt_latest_checkpoint_falls_back_to_the_previous_one(tmp_path: Path, damage: str) -> None:
+    model, opt = make()
+    ckpt = Checkpoint(tmp_path, keep=3)
+    first = ckpt.save(2, model, opt)
+    saved = make(seed=2)[0]
+    saved.load_state_dict(model.state_dict())
+    model(torch.randn(4, 6)).sum().backward()
+    opt.step()
+    second = ckpt.save(4, model, opt)
+    pattern = damage_checkpoint(tmp_path / second.name, damage)
+    restored, opt2 = make(seed=1)
+    with pytest.warns(RuntimeWarning) as caught:
+        assert ckpt.restore(restored, opt2) == 2
+    assert same(restored, saved) and not same(restored, model)
+    text = str(caught[0].message)
+    assert second.name in text and first.name in text, text  # names both
+    assert re.search(pattern, text), text
+    assert read_manifest(str(tmp_path)).name == second.name  # restoring changes nothing on disk
+
+
+def test_no_checkpoint_verifies_names_each_one_tried(tmp_path: Path) -> None:
+    model, opt = make()
+    ckpt = Checkpoint(tmp_path, keep=3)
+    entries = [ckpt.save(step, model, opt) for step in (1, 2, 3)]
+    patterns = [damage_checkpoint(tmp_path / e.name, how)
+                for e, how in zip(entries, ["missing", "flip", "truncate"], strict=True)]
+    with pytest.raises(CheckpointError) as raised:
+        ckpt.restore(*make(1))
+    text = str(raised.value)
+    assert "no checkpoint" in text and "verifies" in text, text
+    for entry, pattern in zip(entries, patterns, strict=True):
+        assert entry.name in text and re.search(pattern, text), (entry.name, text)
+    # the newest first: the order they were tried in
+    assert text.index(entries[2].name) < text.index(entries[1].name) < text.index(entries[0].name)
+
+
+def test_fallback_skips_several_corrupt_checkpoints(tmp_path: Path) -> None:
+    model, opt = make()
+    ckpt = Checkpoint(tmp_path, keep=3)
+    entries = [ckpt.save(step, model, opt) for step in (1, 2, 3)]
+    damage_checkpoint(tmp_path / entries[2].name, "flip")
+    damage_checkpoint(tmp_path / entries[1].name, "missing")
+    with pytest.warns(RuntimeWarning, match=entries[0].name):
+        assert ckpt.restore(*make(1)) == 1
 
 
 def test_pickled_object_is_refused(tmp_path: Path) -> None:

@@ -274,11 +274,39 @@ class Checkpoint:
         return entry
 
     def _read_local(self) -> tuple[Entry, dict[str, bytes], dict[str, Any]] | None:
-        entry = self.latest()
-        if entry is None:
+        """Read the latest checkpoint that verifies: the manifest's, else the newest older one.
+
+        Returns:
+            ``(entry, files, meta)``, or ``None`` when there is no checkpoint yet.
+
+        Raises:
+            CheckpointError: when the manifest is unreadable, or no checkpoint verifies
+                (naming each one tried and why).
+        """
+        latest = self.latest()
+        if latest is None:
             return None
-        files, meta = read_checkpoint(self.directory, entry)
-        return entry, files, meta
+        older = [e for e in reversed(list_complete(self.directory))
+                 if (e.step, e.name) < (latest.step, latest.name)]
+        tried: list[tuple[Entry, CheckpointError]] = []
+        for entry in [latest, *older]:
+            try:
+                files, meta = read_checkpoint(self.directory, entry)
+            except CheckpointError as exc:
+                tried.append((entry, exc))
+                continue
+            if tried:
+                bad = "; ".join(f"{self._where(e)} ({exc})" for e, exc in tried)
+                warnings.warn(f"latest checkpoint does not verify: {bad}; restoring the previous one "
+                              f"that does, {self._where(entry)}", RuntimeWarning, stacklevel=2)
+            return entry, files, meta
+        if len(tried) == 1:
+            raise tried[0][1]
+        raise CheckpointError(f"no checkpoint in {self.directory} verifies; tried "
+                              + "; ".join(f"{self._where(e)} ({exc})" for e, exc in tried))
+
+    def _where(self, entry: Entry) -> str:
+        return f"{os.path.join(self.directory, entry.name)} (step {entry.step})"
 
     def _read(self) -> _Read | None:
         comm = self.comm
@@ -364,7 +392,10 @@ class Checkpoint:
 
         Raises:
             CheckpointError: on every rank, naming the file and why, when the latest
-                checkpoint is corrupt or does not fit the objects.
+                checkpoint does not fit the objects, or when no checkpoint verifies
+                (naming each one tried). A latest checkpoint that does not verify
+                (truncated, altered, a file missing) is skipped for the newest older one
+                that does, with a ``RuntimeWarning`` naming both.
         """
         got = self._read()
         if got is None:
