@@ -8,6 +8,7 @@ descriptions allgathered, so the error names every rank's call, on every rank.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ import numpy as np
 
 from plait.errors import MismatchError
 
-__all__ = ["WIDTH", "Call", "verify"]
+__all__ = ["WIDTH", "Call", "mismatch", "verify"]
 
 #: Bytes of description each rank contributes when a mismatch is reported.
 WIDTH = 256
@@ -64,9 +65,14 @@ class Call:
         return f"{self.kind}({', '.join(parts)})"
 
     def digest(self) -> int:
-        """A 62-bit non-negative digest of :meth:`key`."""
-        h = hashlib.blake2b(self.key().encode(), digest_size=8).digest()
-        return int.from_bytes(h, "little") & ((1 << 62) - 1)
+        """A 62-bit non-negative digest of :meth:`key` (cached: calls repeat every step)."""
+        return _digest(self)
+
+
+@functools.lru_cache(maxsize=4096)
+def _digest(call: Call) -> int:
+    h = hashlib.blake2b(call.key().encode(), digest_size=8).digest()
+    return int.from_bytes(h, "little") & ((1 << 62) - 1)
 
 
 def verify(
@@ -91,13 +97,33 @@ def verify(
     lo = reduce_min(np.array([d, -d], dtype=np.int64))
     if int(lo[0]) == -int(lo[1]):
         return
+    raise mismatch(call, allgather_rows, where)
+
+
+def mismatch(
+    call: Call,
+    allgather_rows: Callable[[np.ndarray], np.ndarray],
+    where: str,
+) -> MismatchError:
+    """The error every rank raises once the ranks found that their calls differ.
+
+    Collective: every rank of the group must call it (it allgathers the descriptions).
+
+    Args:
+        call: this rank's call.
+        allgather_rows: allgather of a uint8 array of :data:`WIDTH` bytes.
+        where: the communicator, named in the message.
+
+    Returns:
+        A :class:`~plait.errors.MismatchError` naming each rank's call.
+    """
     row = np.zeros(WIDTH, dtype=np.uint8)
     text = call.describe().encode()[:WIDTH]
     row[: len(text)] = np.frombuffer(text, dtype=np.uint8)
     rows = np.asarray(allgather_rows(row)).reshape(-1, WIDTH)
     texts = [bytes(rows[r]).rstrip(b"\0").decode(errors="replace") for r in range(rows.shape[0])]
     lines = [f"  rank {r}: {t}" for r, t in enumerate(texts)]
-    raise MismatchError(
+    return MismatchError(
         f"ranks of {where} called different collectives (or with different arguments):\n"
         + "\n".join(lines)
     )

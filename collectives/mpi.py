@@ -1,13 +1,25 @@
 """MPI backend: plait's Communicator over mpi4py (the only module importing mpi4py).
 
-Tensors are viewed as numpy buffers (no copy for host tensors) and moved with
-mpi4py's buffer calls; every ``_async`` form is a nonblocking ``I*`` call.
-float16 and bfloat16 are reduced by user-defined MPI ops over their 16-bit
-patterns, so they cross the wire at 2 bytes per element.
+Tensors are viewed as numpy buffers (no copy for host tensors). Every collective
+starts with one small allgather, the *header*: each rank's call digest (the
+agreement check), a number (the rows of an allgather) and up to :data:`SLOT`
+bytes (alltoall splits; the whole tensor of a small allreduce, which is then
+reduced locally: one message round instead of two). The data then moves by
+Open MPI's nonblocking collectives or by plait's pipelined ring
+(:mod:`plait.collectives.ring`), chosen per message by
+:class:`~plait.collectives.tuning.Tuning` from the size, dtype and host layout.
+float16 and bfloat16 cross the wire at 2 bytes per element and are reduced by
+numpy in the ring.
+
+Waiting polls the requests, and drives the rings, yielding the CPU between polls
+while bytes move (Open MPI's TCP transport progresses only inside MPI calls), and
+naps only after :data:`SPIN_S` seconds without progress; every wait is bounded by
+the timeout.
 """
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,20 +32,26 @@ from plait.errors import CollectiveTimeoutError, MismatchError, invalid
 from plait.protocols import Handle, Tensor
 
 from .base import CommunicatorBase, Done, Pending, check_splits, floating, reducescatter_counts
-from .check import Call
+from .check import Call, mismatch
+from .ring import Ring, combiner, segments
+from .tuning import Tuning
 
-__all__ = ["MPICommunicator", "thread_level"]
+__all__ = ["SLOT", "SPIN_S", "MPICommunicator", "thread_level"]
 
 _BUILTIN = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD,
             "average": MPI.SUM}
 _BOOL = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "product": MPI.LAND}
-_NP = {"sum": np.add, "average": np.add, "min": np.minimum, "max": np.maximum,
-       "product": np.multiply}
 _MPI_TYPES = {
     "float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int8": MPI.INT8_T, "uint8": MPI.UINT8_T,
     "int16": MPI.INT16_T, "int32": MPI.INT32_T, "int64": MPI.INT64_T, "bool": MPI.C_BOOL,
-    "float16": MPI.UINT16_T, "bfloat16": MPI.UINT16_T,
 }
+#: Payload bytes the header carries (a small allreduce travels whole in it).
+SLOT = 1024
+_HEAD = 16  # digest and one number, int64 each
+#: Seconds a waiter keeps polling (yielding the CPU) after the last sign of progress.
+SPIN_S = 0.05
+_NAP_S = 2e-4
+_MAX_CHUNKS = 4096  # tags per ring collective
 
 
 def thread_level() -> str:
@@ -41,22 +59,6 @@ def thread_level() -> str:
     names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
              MPI.THREAD_SERIALIZED: "serialized", MPI.THREAD_MULTIPLE: "multiple"}
     return names.get(MPI.Query_thread(), "unknown")
-
-
-def _half_op(dtype: str, op: str) -> MPI.Op:
-    """A user-defined MPI op reducing 16-bit floats given as uint16 patterns."""
-    combine = _NP[op]
-    if dtype == "float16":
-        def fn(inbuf: Any, inout: Any, datatype: Any) -> None:
-            a = np.frombuffer(inbuf, dtype=np.float16)
-            b = np.frombuffer(inout, dtype=np.float16)
-            b[...] = combine(a, b)
-    else:
-        def fn(inbuf: Any, inout: Any, datatype: Any) -> None:
-            a = np.frombuffer(inbuf, dtype=np.uint16)
-            b = np.frombuffer(inout, dtype=np.uint16)
-            b[...] = f32_to_bf16(combine(bf16_to_f32(a), bf16_to_f32(b)))
-    return MPI.Op.Create(fn, commute=True)
 
 
 def _flat_bytes(a: np.ndarray) -> np.ndarray:
@@ -83,43 +85,68 @@ class MPICommunicator(CommunicatorBase):
         check: verify before each collective that all ranks make the same call.
         timeout: seconds a rank waits for the others to arrive at a collective
             before raising :class:`~plait.errors.CollectiveTimeoutError`.
+        tuning: algorithm settings (default: from ``PLAIT_ALLREDUCE`` and friends).
     """
 
     backend = "mpi"
 
     def __init__(self, comm: Any = None, *, check: bool = True, timeout: float = 300.0,
-                 _ops_cache: dict[tuple[str, str], Any] | None = None) -> None:
+                 tuning: Tuning | None = None) -> None:
         super().__init__(check=check, timeout=timeout)
         self.comm = MPI.COMM_WORLD if comm is None else comm
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
-        self._half_ops: dict[tuple[str, str], Any] = {} if _ops_cache is None else _ops_cache
+        self.tuning = Tuning.from_env() if tuning is None else tuning
+        self._ring_comm = self.comm.Dup()  # ring messages never meet user send/recv
+        ub = int(self._ring_comm.Get_attr(MPI.TAG_UB) or 32767)
+        self._tag_slots = max(1, ub // _MAX_CHUNKS)
+        self._rings: list[Ring] = []  # ring collectives in flight, in start order
+        self._ring_seq = 0
         self._calls = 0  # bounded collective waits so far (the "#k" of the timeout report)
         self._asked = 0  # timeouts reported so far (the id of each "who is waiting?")
         self._answers: list[Any] = []  # answers in flight
         self._topology()
 
-    # -- raw primitives ------------------------------------------------------------
+    # -- waiting --------------------------------------------------------------------
+    def _drive(self) -> bool:
+        """Advance every ring in flight; True when some chunk moved."""
+        moved = False
+        for ring in self._rings:
+            before = ring.moved
+            ring.progress()
+            moved = moved or ring.moved != before
+        if any(r.complete for r in self._rings):
+            self._rings = [r for r in self._rings if not r.complete]
+        return moved
+
     def _wait_until(self, ready: Callable[[], bool], timed_out: Callable[[], str],
                     seq: int = -1) -> None:
-        """Poll ``ready`` (which drives MPI progress) until it is true, sleeping a
-        little between polls once it is slow; raise after ``self.timeout`` seconds.
+        """Poll ``ready`` (which drives MPI progress), and the rings in flight, until it
+        is true; raise after ``self.timeout`` seconds.
 
-        Once slow, it also answers other ranks that timed out and ask who is waiting
-        (saying "collective #seq", or -1 outside a collective)."""
-        deadline = time.monotonic() + self.timeout
-        spins = 0
-        answer_at = 0.0
-        while not ready():
-            spins += 1
-            if spins > 200:
-                now = time.monotonic()
-                if now > deadline:
-                    raise CollectiveTimeoutError(f"{self!r}: {timed_out()}")
-                if now > answer_at:
-                    self._answer(seq)
-                    answer_at = now + 0.05
-                time.sleep(min(1e-3, 1e-6 * spins))
+        Polls yield the CPU and never sleep while anything moved in the last
+        :data:`SPIN_S` seconds (a sleeping rank would stall its own transfers). Then
+        it naps between polls and answers other ranks that timed out and ask who is
+        waiting (saying "collective #seq", or -1 outside a collective)."""
+        if ready():
+            return
+        now = time.monotonic()
+        deadline, quiet, answer_at = now + self.timeout, now, 0.0
+        while True:
+            if self._rings and self._drive():
+                quiet = time.monotonic()
+            if ready():
+                return
+            now = time.monotonic()
+            if now > deadline:
+                raise CollectiveTimeoutError(f"{self!r}: {timed_out()}")
+            if now - quiet < SPIN_S:
+                os.sched_yield()
+                continue
+            if now > answer_at:
+                self._answer(seq)
+                answer_at = now + 0.05
+            time.sleep(_NAP_S)
 
     def _poll(self, req: Any, what: str) -> None:
         """Wait for ``req``, raising if the group does not complete it in time."""
@@ -196,11 +223,6 @@ class MPICommunicator(CommunicatorBase):
         world = MPI.Group.Translate_ranks(self.comm.Get_group(), ranks, MPI.COMM_WORLD.Get_group())
         return f" (world {_ranks(list(world))})"
 
-    def _raw_min(self, values: np.ndarray) -> np.ndarray:
-        out = np.empty_like(values)
-        self._poll(self.comm.Iallreduce(values, out, MPI.MIN), "a collective")
-        return out
-
     def _raw_allgather_bytes(self, data: np.ndarray) -> np.ndarray:
         data = _flat_bytes(data)
         counts = np.empty(self.size, dtype=np.int64)
@@ -217,19 +239,65 @@ class MPICommunicator(CommunicatorBase):
         self._poll(self.comm.Ibcast(out, root=root), "an object broadcast")
         return out
 
+    # -- the header: agreement check, sizes and small payloads in one allgather ---------
+    def _verify(self, call: Call) -> None:
+        if self.check and self.size > 1:
+            self._header(call)
+
+    def _header(self, call: Call, number: int = 0, payload: np.ndarray | None = None
+                ) -> np.ndarray:
+        """Allgather every rank's call digest, ``number`` and ``payload`` (at most
+        :data:`SLOT` bytes); raise on every rank when the digests differ.
+
+        Returns:
+            One row per rank: ``[digest, number]`` as int64, then the payload bytes.
+
+        Raises:
+            MismatchError: when the ranks' calls differ (with the check on).
+            CollectiveTimeoutError: when the others do not arrive in time.
+        """
+        self._call = call
+        row = np.zeros(_HEAD + SLOT, dtype=np.uint8)
+        row[:_HEAD].view(np.int64)[:] = (call.digest() if self.check else 0, number)
+        if payload is not None:
+            row[_HEAD : _HEAD + payload.size] = payload
+        rows = np.empty((self.size, _HEAD + SLOT), dtype=np.uint8)
+        self._poll(self.comm.Iallgather(row, rows), "a collective")
+        digests = rows.view(np.int64)[:, 0]
+        if self.check and (digests != digests[0]).any():
+            raise mismatch(call, self._raw_allgather_bytes,
+                           f"the {self.backend} communicator of size {self.size}")
+        return rows
+
+    # -- data movement ---------------------------------------------------------------------
     def _request(self, req: Any, finish: Callable[[], Any], keep: Any, what: str) -> Pending:
         """A handle whose ``wait()`` is bounded by the timeout, like every sync call."""
         return Pending(req.Test, lambda: self._poll(req, what), finish, keep)
 
-    def _reduce_plan(self, op: str, dtype: str) -> tuple[Any, Any]:
-        if dtype == "bool":
-            return MPI.C_BOOL, _BOOL[op]
-        if dtype in ("float16", "bfloat16"):
-            key = (dtype, op)
-            if key not in self._half_ops:
-                self._half_ops[key] = _half_op(dtype, op)
-            return MPI.UINT16_T, self._half_ops[key]
-        return _MPI_TYPES[dtype], _BUILTIN[op]
+    def _ring(self, buf: np.ndarray, counts: Sequence[int], phases: str, combine: Any,
+              finish: Callable[[], Any], keep: Any, what: str) -> Handle:
+        """Start a ring collective on the flat ``buf`` cut into segments of ``counts``."""
+        self._ring_seq += 1
+        tags = (self._ring_seq % self._tag_slots) * _MAX_CHUNKS
+        chunk = max(1, self.tuning.chunk_bytes // max(1, buf.itemsize))
+        comm = self._ring_comm
+        ring = Ring(buf, segments(counts), self.rank, self.size,
+                    lambda b, dest, tag: comm.Isend([b, MPI.BYTE], dest, tag),
+                    lambda b, source, tag: comm.Irecv([b, MPI.BYTE], source, tag),
+                    tags, chunk, combine, phases, _MAX_CHUNKS)
+        self._rings.append(ring)
+
+        def test() -> bool:
+            self._drive()
+            return ring.complete
+
+        def wait() -> None:
+            self._calls += 1
+            seq = self._calls
+            self._wait_until(lambda: ring.complete,
+                             lambda: self._timeout_report(what, seq), seq)
+
+        return Pending(test, wait, finish, keep)
 
     def _average(self, out: np.ndarray, dtype: str) -> np.ndarray:
         if dtype == "bfloat16":
@@ -238,6 +306,9 @@ class MPICommunicator(CommunicatorBase):
             out /= self.size
             return out
         return np.trunc(out / self.size).astype(out.dtype)
+
+    def _reduced(self, out: np.ndarray, op: str, dtype: str) -> np.ndarray:
+        return self._average(out, dtype) if op == "average" else out
 
     # -- collectives -----------------------------------------------------------------------------
     def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Handle:
@@ -248,15 +319,32 @@ class MPICommunicator(CommunicatorBase):
         dtype = ops.dtype_name(tensor)
         self._validate_op(op, dtype)
         buf = ops.to_numpy(tensor)
-        self._verify(Call("allreduce", buf.shape, dtype, op=op, name=name))
-        out = np.empty_like(buf)
-        mpi_type, mpi_op = self._reduce_plan(op, dtype)
-        req = self.comm.Iallreduce([buf, mpi_type], [out, mpi_type], mpi_op)
+        call = Call("allreduce", buf.shape, dtype, op=op, name=name)
+        if self.size == 1:
+            return Done(ops.from_numpy(self._reduced(buf.copy(), op, dtype), tensor))
+        if buf.nbytes <= SLOT:  # one round: every rank's tensor travels in the header
+            rows = self._header(call, 0, _flat_bytes(buf))
+            parts = np.ascontiguousarray(rows[:, _HEAD : _HEAD + buf.nbytes]).view(buf.dtype)
+            out = parts[0].copy()
+            combine = combiner(dtype, op)
+            for r in range(1, self.size):
+                combine(out, parts[r])
+            return Done(ops.from_numpy(self._reduced(out.reshape(buf.shape), op, dtype), tensor))
+        self._verify(call)
 
         def finish() -> Tensor:
-            return ops.from_numpy(self._average(out, dtype) if op == "average" else out, tensor)
+            return ops.from_numpy(self._reduced(out.reshape(buf.shape), op, dtype), tensor)
 
-        return self._request(req, finish, (buf, tensor), "an allreduce")
+        what = call.describe()
+        if self.tuning.reduce_algorithm(buf.nbytes, dtype, self.cross_size) == "ring":
+            out = buf.reshape(-1).copy()
+            counts = reducescatter_counts(out.size, self.size)
+            return self._ring(out, counts, "allreduce", combiner(dtype, op), finish,
+                              (buf, tensor), what)
+        out = np.empty_like(buf)
+        mpi_op = _BOOL[op] if dtype == "bool" else _BUILTIN[op]
+        req = self.comm.Iallreduce([buf, _MPI_TYPES[dtype]], [out, _MPI_TYPES[dtype]], mpi_op)
+        return self._request(req, finish, (buf, tensor), what)
 
     def allgather_async(self, tensor: Tensor, name: str | None = None) -> Handle:
         ops = self._ops(tensor, "allgather")
@@ -267,15 +355,20 @@ class MPICommunicator(CommunicatorBase):
         buf = ops.to_numpy(tensor)
         if buf.ndim == 0:
             raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
-        self._verify(Call("allgather", buf.shape, dtype, name=name, ragged=True))
-        rows = np.empty(self.size, dtype=np.int64)
-        self.comm.Allgather(np.array([buf.shape[0]], dtype=np.int64), rows)
-        row_bytes = buf[:1].nbytes if buf.shape[0] else int(np.prod(buf.shape[1:])) * buf.itemsize
+        call = Call("allgather", buf.shape, dtype, name=name, ragged=True)
+        rows = self._header(call, buf.shape[0]).view(np.int64)[:, 1].copy()
+        row_bytes = int(np.prod(buf.shape[1:], dtype=np.int64)) * buf.itemsize
         counts = rows * row_bytes
         out = np.empty((int(rows.sum()),) + buf.shape[1:], dtype=buf.dtype)
-        req = self.comm.Iallgatherv(_flat_bytes(buf), [_flat_bytes(out), counts, MPI.BYTE])
+        flat = _flat_bytes(out)
+        if self.tuning.gather_algorithm(flat.size, self.cross_size) == "ring":
+            start = int(counts[: self.rank].sum())
+            flat[start : start + int(counts[self.rank])] = _flat_bytes(buf)
+            return self._ring(flat, counts, "allgather", None, lambda: ops.from_numpy(out, tensor),
+                              (buf, tensor), call.describe())
+        req = self.comm.Iallgatherv(_flat_bytes(buf), [flat, counts, MPI.BYTE])
         return self._request(req, lambda: ops.from_numpy(out, tensor), (buf, tensor),
-                             "an allgather")
+                             call.describe())
 
     def broadcast_async(self, tensor: Tensor, root: int = 0, name: str | None = None) -> Handle:
         ops = self._ops(tensor, "broadcast")
@@ -285,11 +378,16 @@ class MPICommunicator(CommunicatorBase):
             return graph
         dtype = ops.dtype_name(tensor)
         buf = ops.to_numpy(tensor)
-        self._verify(Call("broadcast", buf.shape, dtype, root=root, name=name))
+        call = Call("broadcast", buf.shape, dtype, root=root, name=name)
+        if 0 < buf.nbytes <= SLOT and self.size > 1:  # one round: root's tensor in the header
+            rows = self._header(call, 0, _flat_bytes(buf) if self.rank == root else None)
+            data = np.ascontiguousarray(rows[root, _HEAD : _HEAD + buf.nbytes])
+            return Done(ops.from_numpy(data.view(buf.dtype).reshape(buf.shape).copy(), tensor))
+        self._verify(call)
         out = buf.copy() if self.rank == root else np.empty_like(buf)
         req = self.comm.Ibcast(_flat_bytes(out), root=root)
         return self._request(req, lambda: ops.from_numpy(out, tensor), (buf, tensor),
-                             "a broadcast")
+                             call.describe())
 
     def alltoall_async(self, tensor: Tensor, splits: Sequence[int] | None = None,
                        name: str | None = None) -> Handle:
@@ -303,9 +401,15 @@ class MPICommunicator(CommunicatorBase):
         if buf.ndim == 0:
             raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
         send = np.array(check_splits(splits, buf.shape[0], self.size), dtype=np.int64)
-        self._verify(Call("alltoall", buf.shape, dtype, name=name, ragged=True))
-        recv = np.empty(self.size, dtype=np.int64)
-        self.comm.Alltoall(send, recv)
+        call = Call("alltoall", buf.shape, dtype, name=name, ragged=True)
+        if send.nbytes <= SLOT:  # the splits travel in the header
+            rows = self._header(call, 0, send.view(np.uint8))
+            theirs = np.ascontiguousarray(rows[:, _HEAD : _HEAD + send.nbytes]).view(np.int64)
+            recv = theirs[:, self.rank].copy()
+        else:
+            self._verify(call)
+            recv = np.empty(self.size, dtype=np.int64)
+            self._poll(self.comm.Ialltoall(send, recv), call.describe())
         row = int(np.prod(buf.shape[1:], dtype=np.int64)) * buf.itemsize
         out = np.empty((int(recv.sum()),) + buf.shape[1:], dtype=buf.dtype)
         sc, rc = send * row, recv * row
@@ -315,7 +419,7 @@ class MPICommunicator(CommunicatorBase):
                                    [_flat_bytes(out), rc, rd, MPI.BYTE])
         return self._request(
             req, lambda: (ops.from_numpy(out, tensor), [int(r) for r in recv]), (buf, tensor),
-            "an alltoall")
+            call.describe())
 
     def alltoall(self, tensor: Tensor, splits: Sequence[int] | None = None,
                  name: str | None = None) -> tuple[Tensor, list[int]]:
@@ -335,18 +439,28 @@ class MPICommunicator(CommunicatorBase):
         buf = ops.to_numpy(tensor)
         if buf.ndim == 0:
             raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
-        self._verify(Call("reducescatter", buf.shape, dtype, op=op, name=name))
+        call = Call("reducescatter", buf.shape, dtype, op=op, name=name)
+        self._verify(call)
         rows = reducescatter_counts(buf.shape[0], self.size)
         row = int(np.prod(buf.shape[1:], dtype=np.int64))
-        out = np.empty((rows[self.rank],) + buf.shape[1:], dtype=buf.dtype)
-        mpi_type, mpi_op = self._reduce_plan(op, dtype)
-        req = self.comm.Ireduce_scatter([buf, mpi_type], [out, mpi_type],
+        shape = (rows[self.rank],) + buf.shape[1:]
+        if self.size > 1 and self.tuning.reduce_algorithm(buf.nbytes, dtype,
+                                                          self.cross_size) == "ring":
+            flat = buf.reshape(-1).copy()
+            start = sum(rows[: self.rank]) * row
+
+            def mine() -> Tensor:
+                part = flat[start : start + rows[self.rank] * row].reshape(shape)
+                return ops.from_numpy(self._reduced(part, op, dtype), tensor)
+
+            return self._ring(flat, [r * row for r in rows], "reducescatter",
+                              combiner(dtype, op), mine, (buf, tensor), call.describe())
+        out = np.empty(shape, dtype=buf.dtype)
+        mpi_op = _BOOL[op] if dtype == "bool" else _BUILTIN[op]
+        req = self.comm.Ireduce_scatter([buf, _MPI_TYPES[dtype]], [out, _MPI_TYPES[dtype]],
                                         [r * row for r in rows], mpi_op)
-
-        def finish() -> Tensor:
-            return ops.from_numpy(self._average(out, dtype) if op == "average" else out, tensor)
-
-        return self._request(req, finish, (buf, tensor), "a reducescatter")
+        return self._request(req, lambda: ops.from_numpy(self._reduced(out, op, dtype), tensor),
+                             (buf, tensor), call.describe())
 
     def reducescatter(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Tensor:
         """Reduce over ranks and keep this rank's part of the first dimension."""
@@ -355,7 +469,7 @@ class MPICommunicator(CommunicatorBase):
     def barrier(self) -> None:
         """Wait until every rank of the group arrived.
 
-        With the agreement check on, the check itself is the barrier (its reduction
+        With the agreement check on, the check itself is the barrier (its allgather
         completes only once every rank contributed), so a rank calling another
         collective meanwhile raises :class:`~plait.errors.MismatchError` on every rank.
 
@@ -370,16 +484,19 @@ class MPICommunicator(CommunicatorBase):
 
     # -- point to point -------------------------------------------------------------------------
     def send(self, tensor: Tensor, dest: int, tag: int = 0) -> None:
-        """Send ``tensor`` to rank ``dest`` (blocking until the buffer is reusable)."""
+        """Send ``tensor`` to rank ``dest`` (until the buffer is reusable, within the timeout)."""
         self._validate_rank("dest", dest)
         ops = self._ops(tensor, "send")
-        self.comm.Send(_flat_bytes(ops.to_numpy(tensor)), dest=dest, tag=tag)
+        data = _flat_bytes(ops.to_numpy(tensor))
+        self._poll(self.comm.Isend(data, dest=dest, tag=tag),
+                   f"a send to rank {dest} (tag {tag}) of {data.size} bytes")
 
     def recv(self, like: Tensor, source: int, tag: int = 0) -> Tensor:
         """Receive a tensor shaped and typed like ``like`` from rank ``source``.
 
         Raises:
             MismatchError: when the message's size differs from ``like``'s.
+            CollectiveTimeoutError: when no message arrives within the timeout.
         """
         self._validate_rank("source", source)
         ops = self._ops(like, "recv")
@@ -389,13 +506,14 @@ class MPICommunicator(CommunicatorBase):
         got = status.Get_count(MPI.BYTE)
         if got != template.nbytes:
             junk = np.empty(got, dtype=np.uint8)
-            self.comm.Recv(junk, source=source, tag=tag)
+            self._poll(self.comm.Irecv(junk, source=source, tag=tag), "a recv")
             raise MismatchError(
                 f"{self!r}: recv from rank {source} (tag {tag}) expected {template.nbytes} bytes "
                 f"(shape {template.shape}, {ops.dtype_name(like)}) but the message has {got}"
             )
         out = np.empty_like(template)
-        self.comm.Recv(_flat_bytes(out), source=source, tag=tag)
+        self._poll(self.comm.Irecv(_flat_bytes(out), source=source, tag=tag),
+                   f"a recv from rank {source} (tag {tag}) of {template.nbytes} bytes")
         return ops.from_numpy(out, like)
 
     def _poll_probe(self, source: int, tag: int, status: Any) -> None:
@@ -407,7 +525,4 @@ class MPICommunicator(CommunicatorBase):
         """Collective over this group: ranks with equal ``color`` form a new group,
         ordered by ``key`` (then by rank)."""
         sub = self.comm.Split(int(color), int(key))
-        return MPICommunicator(sub, check=self.check, timeout=self.timeout,
-                               _ops_cache=self._half_ops)
-
-
+        return MPICommunicator(sub, check=self.check, timeout=self.timeout, tuning=self.tuning)

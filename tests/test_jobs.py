@@ -15,6 +15,9 @@ HVD_TF = {"PLAIT_TEST_HOROVOD_FRAMEWORK": "tensorflow"}  # horovod.tensorflow as
 JOBS = [
     ("mpirun", 2, "job_collectives.py", {}),
     ("mpirun", 3, "job_collectives.py", {}),
+    ("mpirun", 2, "job_ring.py", {}),
+    ("mpirun", 3, "job_ring.py", {}),
+    ("mpirun", 4, "job_ring.py", {}),
     ("horovodrun-gloo", 2, "job_collectives.py", {}),
     ("horovodrun-mpi", 2, "job_collectives.py", HVD_TF),
     ("mpirun", 2, "job_dp_torch.py", {}),

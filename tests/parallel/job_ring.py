@@ -1,0 +1,135 @@
+"""The MPI backend's algorithms at odd sizes, on every rank (run by tests/test_jobs.py at 2,
+3 and 4 ranks, and across emulated hosts by tests/test_multihost.py).
+
+Each algorithm (plait's pipelined ring with tiny chunks, Open MPI's collectives, the
+one-round header path of small messages) must equal the numpy reference computed from
+every rank's input, for every dtype and op, at sizes of 0, 1, fewer elements than
+ranks, primes and several chunks; results must be bitwise equal on every rank.
+numpy only: the launch pays no framework import.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+from plait.collectives.base import reducescatter_counts
+from plait.collectives.mpi import SLOT, MPICommunicator
+from plait.collectives.tuning import Tuning
+
+DTYPES = ["float16", "bfloat16", "float32", "float64", "int8", "uint8", "int32", "int64", "bool"]
+OPS = ["sum", "average", "min", "max", "product"]
+SIZES = [0, 1, 3, 1031, 4099, 70001]
+TOL = {"float16": 2e-3, "bfloat16": 1e-2, "float32": 1e-6, "float64": 1e-12}
+_COMMS: dict[str, MPICommunicator] = {}
+
+
+def communicator(algorithm: str) -> MPICommunicator:
+    """One communicator per algorithm; 1 KiB ring chunks, so messages have many."""
+    if algorithm not in _COMMS:
+        tuning = Tuning(algorithm, algorithm, chunk_bytes=1024, ring_min_bytes=1024)
+        _COMMS[algorithm] = MPICommunicator(MPI.COMM_WORLD.Dup(), timeout=60, tuning=tuning)
+    return _COMMS[algorithm]
+
+
+@pytest.fixture(params=["ring", "mpi"], scope="module")
+def comm(request: pytest.FixtureRequest) -> MPICommunicator:
+    return communicator(request.param)
+
+
+def data(rank: int, dtype: str, n: int, op: str = "sum") -> np.ndarray:
+    """Rank-dependent values that stay exact-ish in every dtype (products small)."""
+    i = np.arange(n)
+    if dtype == "bool":
+        return (i + rank) % 3 == 0
+    vals = ((i * 7 + rank) % 3 + 1) if op == "product" else ((i * 7 + rank * 3) % 11 + 1)
+    if dtype.startswith("float") or dtype == "bfloat16":
+        return (vals * 0.25).astype(np.float64)
+    return vals.astype(np.float64)
+
+
+def as_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return a.astype(ml_dtypes.bfloat16)
+    return a.astype(dtype)
+
+
+def reference(op: str, dtype: str, size: int, n: int) -> np.ndarray:
+    stack = np.stack([data(r, dtype, n, op).astype(np.float64) for r in range(size)])
+    if dtype == "bool":
+        return stack.any(0) if op in ("sum", "max") else stack.all(0)
+    if op in ("sum", "average"):
+        out = stack.sum(0)
+        if op == "average":
+            out = out / size if dtype in TOL else np.trunc(out / size)
+        return out
+    return {"min": stack.min, "max": stack.max, "product": stack.prod}[op](0)
+
+
+def same_everywhere(comm: MPICommunicator, a: np.ndarray) -> None:
+    digest = hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+    assert len(set(comm.allgather_object(digest))) == 1, "ranks got different results"
+
+
+def close(got: np.ndarray, want: np.ndarray, dtype: str) -> None:
+    np.testing.assert_allclose(np.asarray(got, dtype=np.float64), want.astype(np.float64),
+                               rtol=TOL.get(dtype, 0), atol=TOL.get(dtype, 0))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("op", OPS)
+def test_allreduce_every_dtype_op_and_odd_size(comm, op, dtype):
+    if (op, dtype) == ("average", "bool"):
+        return  # not a valid reduction (a ConfigError, tested in job_collectives)
+    for n in SIZES:
+        x = as_dtype(data(comm.rank, dtype, n, op), dtype)
+        out = comm.allreduce(x, op=op, name=f"ring.{op}.{dtype}.{n}")
+        assert out.shape == (n,) and out.dtype == x.dtype
+        close(out, reference(op, dtype, comm.size, n), dtype)
+        same_everywhere(comm, out)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "int64", "bool"])
+def test_reducescatter_uneven_rows_including_fewer_rows_than_ranks(comm, dtype):
+    op = "max" if dtype == "bool" else "sum"
+    for rows in [1, comm.size + 1, 1031]:
+        x = as_dtype(data(comm.rank, dtype, rows * 3, op).reshape(rows, 3), dtype)
+        out = comm.reducescatter(x, op=op)
+        counts = reducescatter_counts(rows, comm.size)
+        start = sum(counts[: comm.rank])
+        want = reference(op, dtype, comm.size, rows * 3).reshape(rows, 3)
+        assert out.shape == (counts[comm.rank], 3)
+        close(out, want[start : start + counts[comm.rank]], dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int8", "bool"])
+def test_allgather_ragged_including_empty_parts(comm, dtype):
+    for scale in [1, 997]:
+        rows = (comm.rank % 2) * scale + comm.rank  # rank 0 sends nothing
+        x = as_dtype(data(comm.rank, dtype, rows * 2).reshape(rows, 2), dtype)
+        out = comm.allgather(x)
+        want = np.concatenate([data(r, dtype, ((r % 2) * scale + r) * 2).reshape(-1, 2)
+                               for r in range(comm.size)])
+        close(out, want, dtype)
+
+
+def test_many_in_flight_waited_in_reverse_order(comm):
+    xs = [np.full(5000 + 17 * k, comm.rank + k, dtype=np.float32) for k in range(8)]
+    handles = [comm.allreduce_async(x, op="sum", name=f"flight.{k}") for k, x in enumerate(xs)]
+    for k in reversed(range(8)):
+        want = sum(r + k for r in range(comm.size))
+        np.testing.assert_array_equal(handles[k].wait(), np.full(xs[k].size, want, np.float32))
+
+
+def test_small_messages_travel_in_the_header(comm):
+    """A tensor of up to SLOT bytes is reduced in one round on any algorithm."""
+    for n in [SLOT // 4, SLOT // 4 + 1]:
+        x = np.full(n, comm.rank + 1, dtype=np.float32)
+        out = comm.allreduce(x, op="average")
+        np.testing.assert_allclose(out, np.full(n, (comm.size + 1) / 2), rtol=1e-6)
+    b = comm.broadcast(np.arange(7, dtype=np.int16) * (comm.rank + 1), root=comm.size - 1)
+    np.testing.assert_array_equal(b, np.arange(7, dtype=np.int16) * comm.size)
