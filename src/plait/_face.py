@@ -7,16 +7,19 @@ Framework-free: each face passes its framework name to :func:`init`.
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import runtime
+from ._face_compression import to_plait
+from ._process_sets import communicator, init_process_sets
 from .errors import ConfigError, invalid
 from .protocols import Communicator, Handle
 
 __all__ = [
     "Adasum", "Average", "Face", "Max", "Min", "Product", "Sum", "check_groups", "elastic_attribute",
-    "gradient_compression", "reduce_tensor", "resolve_op",
+    "gradient_compression", "keep_shape", "reduce_tensor", "resolve_op", "scale",
 ]
 
 Average, Sum, Adasum, Min, Max, Product = "average", "sum", "adasum", "min", "max", "product"
@@ -25,30 +28,73 @@ Average, Sum, Adasum, Min, Max, Product = "average", "sum", "adasum", "min", "ma
 def reduce_tensor(comm: Communicator, tensor: Any, op: str, name: str | None, compression: Any,
                   prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> Any:
     """Horovod's ``allreduce`` semantics: prescale, reduce (compressed when a compressor
-    is given and the op is a sum or average), postscale.
+    is given and the op is a sum or average), postscale; a 0-d tensor stays 0-d.
 
     Args:
         comm: the communicator.
         tensor: the tensor.
         op: reduction name.
         name: collective name (also keys the compressor's state).
-        compression: a compressor, or ``Compression.none``.
-        prescale_factor: multiply before the reduction.
+        compression: a compressor (Horovod-style or plait's), or ``Compression.none``.
+        prescale_factor: multiply before the reduction (integers: truncated, as Horovod).
         postscale_factor: multiply after the reduction.
 
     Returns:
         The reduced tensor.
     """
-    from .compression import Compression, compressed_allreduce
+    from .compression import NoneCompressor, compressed_allreduce
 
-    if prescale_factor != 1.0:
-        tensor = tensor * prescale_factor
-    if compression is Compression.none or compression is None or op not in (Average, Sum):
-        out = comm.allreduce(tensor, op, name)
+    compressor = to_plait(compression)
+    t = scale(tensor, prescale_factor)
+    if compressor is None or isinstance(compressor, NoneCompressor) or op not in (Average, Sum):
+        out = comm.allreduce(t, op, name)
     else:
-        out = compressed_allreduce(comm, tensor, name or "allreduce", compression,
-                                   average=op == Average)
-    return out * postscale_factor if postscale_factor != 1.0 else out
+        out = compressed_allreduce(comm, t, name or "allreduce", compressor, average=op == Average)
+    return keep_shape(tensor, scale(out, postscale_factor))
+
+
+def scale(tensor: Any, factor: float) -> Any:
+    """``tensor * factor`` in the tensor's dtype; integer elements are truncated toward
+    zero, as Horovod scales integer tensors.
+
+    Args:
+        tensor: a torch, TensorFlow or numpy tensor.
+        factor: the factor (1.0: ``tensor`` itself).
+
+    Returns:
+        The scaled tensor.
+    """
+    if factor == 1.0:
+        return tensor
+    from plait.adapters import ops_for
+
+    ops = ops_for(tensor)
+    dtype = ops.dtype_name(tensor)
+    if dtype in ("float16", "bfloat16", "float32", "float64"):
+        return tensor * factor
+    return ops.cast(ops.cast(tensor, "float64") * factor, dtype)
+
+
+def keep_shape(tensor: Any, out: Any) -> Any:
+    """``out`` reshaped to ``()`` when ``tensor`` is 0-d (Horovod keeps 0-d tensors 0-d).
+
+    Args:
+        tensor: the input of a collective.
+        out: its result.
+
+    Returns:
+        ``out``, 0-d when ``tensor`` was.
+    """
+    from plait.adapters import ops_for
+
+    try:
+        ops = ops_for(tensor)
+        # a graph's static shape may claim () while the host op returns (1,): reshape anyway
+        if ops.shape(tensor) == () and (ops.shape(out) != () or ops.is_symbolic(out)):
+            return ops.reshape(out, [])
+    except (TypeError, ValueError):  # a symbolic shape of unknown rank
+        pass
+    return out
 
 
 def gradient_compression(compression: Any, memory: Any) -> tuple[Any, Any]:
@@ -67,7 +113,7 @@ def gradient_compression(compression: Any, memory: Any) -> tuple[Any, Any]:
     """
     from .compression import NoneCompressor, check_settings
 
-    compressor, memory = check_settings(compression, memory)
+    compressor, memory = check_settings(to_plait(compression), memory)
     return (None if isinstance(compressor, NoneCompressor) else compressor), memory
 
 
@@ -124,17 +170,80 @@ def resolve_op(average: bool | None, op: str | None, default: str = Average) -> 
     return default if op is None else op
 
 
-class _Scaled:
-    """A handle whose result is multiplied by a factor (Horovod's postscale)."""
+class _Done:
+    """A handle whose result is already known."""
 
-    def __init__(self, handle: Handle, factor: float) -> None:
-        self._handle, self._factor = handle, factor
+    def __init__(self, value: Any) -> None:
+        self._value = value
 
     def wait(self) -> Any:
-        return self._handle.wait() * self._factor
+        return self._value
+
+    def done(self) -> bool:
+        return True
+
+
+class _Mapped:
+    """A handle whose result goes through ``fn`` (postscale, 0-d shape, Horovod's tuple)."""
+
+    def __init__(self, handle: Handle, fn: Callable[[Any], Any]) -> None:
+        self._handle, self._fn = handle, fn
+
+    def wait(self) -> Any:
+        return self._fn(self._handle.wait())
 
     def done(self) -> bool:
         return self._handle.done()
+
+
+#: Names of the operations in flight in this process (Horovod's tensor queue is per process).
+_IN_FLIGHT: dict[str, Handle] = {}
+
+
+class _Named:
+    """A handle whose name counts as in flight until it is waited on or polled done."""
+
+    def __init__(self, handle: Handle, name: str) -> None:
+        self._handle, self._name = handle, name
+        self._finished = False
+
+    def _release(self) -> None:
+        if not self._finished:
+            self._finished = True
+            if _IN_FLIGHT.get(self._name) is self:
+                del _IN_FLIGHT[self._name]
+
+    def wait(self) -> Any:
+        try:
+            return self._handle.wait()
+        finally:
+            self._release()
+
+    def done(self) -> bool:
+        finished = self._finished or self._handle.done()
+        if finished:
+            self._release()
+        return finished
+
+
+def _claim(name: str | None) -> None:
+    """Raise Horovod's ``ValueError`` when an operation of this name is still in flight."""
+    if name is not None and name in _IN_FLIGHT:
+        raise ConfigError(
+            f"an operation named {name!r} is still in flight (not yet synchronized); Horovod "
+            "refuses two concurrent operations with the same name: use a different name")
+
+
+def _named(handle: Handle, name: str | None) -> Handle:
+    if name is None:
+        return handle
+    named = _Named(handle, name)
+    _IN_FLIGHT[name] = named
+    return named
+
+
+#: ``hvd.is_homogeneous()`` per world communicator (computed once, collectively, at init).
+_HOMOGENEOUS: dict[int, bool] = {}
 
 
 class Face:
@@ -147,21 +256,50 @@ class Face:
     def __init__(self, framework: str) -> None:
         self.framework = framework
 
-    def init(self, comm: Any = None, backend: str | None = None, **kwargs: Any) -> None:
-        """Start plait (``hvd.init()``); ``backend`` is "mpi", "horovod" or "auto".
+    def init(self, comm: Any = None, process_sets: Any = None, backend: str | None = None,
+             **kwargs: Any) -> None:
+        """Start plait (``hvd.init()``); every rank must call it.
+
+        Args:
+            comm: must be None (plait always starts on all ranks).
+            process_sets: Horovod's: None, ``"dynamic"`` or a list of ``ProcessSet``.
+            backend: "mpi", "horovod" or "auto" (default: ``PLAIT_BACKEND``).
+            **kwargs: ``check`` / ``timeout`` of :func:`plait.init`.
 
         Raises:
-            ConfigError: when ``comm`` (Horovod's list of ranks / MPI communicator) is given;
-                use :meth:`Communicator.split` for sub-groups instead.
+            ConfigError: when ``comm`` (Horovod's list of ranks / MPI communicator) is given
+                (use ``process_sets`` or :meth:`Communicator.split` for sub-groups), or for
+                bad process sets.
         """
         if comm is not None:
             raise invalid("comm", comm, "None: plait.torch.init() always starts on all ranks; "
-                          "make sub-groups with plait.world().split(color, key)")
-        runtime.init(backend, framework=self.framework, **kwargs)
+                          "make sub-groups with process_sets= or plait.world().split(color, key)")
+        world = runtime.init(backend, framework=self.framework, **kwargs)
+        if id(world) not in _HOMOGENEOUS:
+            _HOMOGENEOUS[id(world)] = len(set(world.allgather_object(world.local_size))) == 1
+        init_process_sets(process_sets)
 
     @staticmethod
-    def comm(process_set: Communicator | None = None) -> Communicator:
-        return runtime.world() if process_set is None else process_set
+    def comm(process_set: Any = None) -> Communicator:
+        """The communicator of ``process_set`` (None: every rank)."""
+        return communicator(process_set)[0]
+
+    @staticmethod
+    def target(process_set: Any, root_rank: int) -> tuple[Communicator, int]:
+        """The communicator of ``process_set`` and ``root_rank`` as its group rank.
+
+        As in Horovod, the root of a ``ProcessSet`` operation is a global rank; with a
+        plait communicator (from ``split``) it is a rank of that group.
+
+        Raises:
+            ConfigError: for a root that is not a member of the set.
+        """
+        comm, ranks = communicator(process_set)
+        if ranks is None:
+            return comm, root_rank
+        if root_rank not in ranks:
+            raise invalid("root_rank", root_rank, f"a global rank of the process set {ranks}")
+        return comm, ranks.index(root_rank)
 
     def shutdown(self) -> None:
         runtime.shutdown()
@@ -191,58 +329,198 @@ class Face:
         """"mpi" or "horovod": what carries the bytes."""
         return runtime.world().backend
 
+    # -- build and capability queries ---------------------------------------------------
+    def _backend_name(self) -> str:
+        if runtime.is_initialized():
+            return runtime.world().backend
+        from .config import Config
+
+        return runtime.choose_backend(Config.from_env().backend)
+
+    def _horovod(self) -> Any:
+        """The Horovod library the Horovod backend loaded (read from ``sys.modules``:
+        only ``plait.collectives`` imports horovod)."""
+        framework = getattr(runtime.world(), "framework", self.framework) if (
+            runtime.is_initialized()) else self.framework
+        lib = sys.modules.get(f"horovod.{framework}")
+        if lib is None:  # before init: let the backend module import it
+            importlib.import_module("plait.collectives.horovod").build_info(framework)
+            lib = sys.modules[f"horovod.{framework}"]
+        return lib
+
+    def _query(self, name: str, mpi_answer: Any) -> Any:
+        if self._backend_name() == "mpi":
+            return mpi_answer
+        return getattr(self._horovod(), name)()
+
+    def mpi_built(self) -> bool:
+        """Whether the backend can use MPI (MPI backend: True)."""
+        return bool(self._query("mpi_built", True))
+
+    def gloo_built(self) -> bool:
+        """Whether the backend was built with Gloo (MPI backend: False)."""
+        return bool(self._query("gloo_built", False))
+
+    def nccl_built(self) -> int:
+        """NCCL version code the backend was built with, 0 without (MPI backend: 0)."""
+        return int(self._query("nccl_built", 0))
+
+    def ddl_built(self) -> bool:
+        """Whether the backend was built with IBM DDL (MPI backend: False)."""
+        return bool(self._query("ddl_built", False))
+
+    def ccl_built(self) -> bool:
+        """Whether the backend was built with oneCCL (MPI backend: False)."""
+        return bool(self._query("ccl_built", False))
+
+    def cuda_built(self) -> bool:
+        """Whether the backend has CUDA kernels (MPI backend: False; CUDA tensors are
+        staged through host memory)."""
+        return bool(self._query("cuda_built", False))
+
+    def rocm_built(self) -> bool:
+        """Whether the backend has ROCm kernels (MPI backend: False)."""
+        return bool(self._query("rocm_built", False))
+
+    def mpi_enabled(self) -> bool:
+        """Whether MPI carries this job's collectives now (MPI backend: True)."""
+        return bool(self._query("mpi_enabled", True))
+
+    def gloo_enabled(self) -> bool:
+        """Whether Gloo carries this job's collectives now (MPI backend: False)."""
+        return bool(self._query("gloo_enabled", False))
+
     def mpi_threads_supported(self) -> bool:
+        """Whether MPI runs at ``MPI_THREAD_MULTIPLE`` (mpi4py may be used alongside).
+
+        Raises:
+            ConfigError: when MPI is not enabled (a Gloo job), as Horovod raises ``ValueError``.
+        """
+        if self._backend_name() != "mpi":
+            if not self._horovod().mpi_enabled():
+                raise ConfigError("Horovod MPI is not enabled (this job runs on Gloo): "
+                                  "mpi_threads_supported() has no answer")
         from plait.collectives.mpi import thread_level
 
         return thread_level() == "multiple"
 
+    def is_homogeneous(self) -> bool:
+        """Whether every host runs the same number of ranks (computed at ``init``).
+
+        Raises:
+            PlaitError: before ``init``.
+        """
+        return _HOMOGENEOUS.get(id(runtime.world()), True)
+
+    # -- collectives -------------------------------------------------------------------------
     def allreduce_async(self, tensor: Any, average: bool | None = None, name: str | None = None,
                         op: str | None = None, prescale_factor: float = 1.0,
-                        postscale_factor: float = 1.0,
-                        process_set: Communicator | None = None) -> Handle:
-        if prescale_factor != 1.0:
-            tensor = tensor * prescale_factor
-        handle = self.comm(process_set).allreduce_async(tensor, resolve_op(average, op), name)
-        return handle if postscale_factor == 1.0 else _Scaled(handle, postscale_factor)
+                        postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
+        _claim(name)
+        handle = self.comm(process_set).allreduce_async(scale(tensor, prescale_factor),
+                                                        resolve_op(average, op), name)
+        handle = _Mapped(handle, lambda out: keep_shape(tensor, scale(out, postscale_factor)))
+        return _named(handle, name)
 
     def allreduce(self, tensor: Any, average: bool | None = None, name: str | None = None,
                   op: str | None = None, prescale_factor: float = 1.0,
-                  postscale_factor: float = 1.0, process_set: Communicator | None = None) -> Any:
+                  postscale_factor: float = 1.0, process_set: Any = None) -> Any:
         return self.allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
                                     process_set).wait()
 
     def grouped_allreduce(self, tensors: Sequence[Any], average: bool | None = None,
                           name: str | None = None, op: str | None = None,
-                          process_set: Communicator | None = None) -> list[Any]:
-        return self.comm(process_set).grouped_allreduce(list(tensors), resolve_op(average, op), name)
-
-    def allgather(self, tensor: Any, name: str | None = None,
-                  process_set: Communicator | None = None) -> Any:
-        return self.comm(process_set).allgather(tensor, name)
+                          prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+                          process_set: Any = None) -> list[Any]:
+        _claim(name)
+        tensors = list(tensors)
+        outs = self.comm(process_set).grouped_allreduce(
+            [scale(t, prescale_factor) for t in tensors], resolve_op(average, op), name)
+        return [keep_shape(t, scale(o, postscale_factor)) for t, o in zip(tensors, outs)]
 
     def allgather_async(self, tensor: Any, name: str | None = None,
-                        process_set: Communicator | None = None) -> Handle:
-        return self.comm(process_set).allgather_async(tensor, name)
+                        process_set: Any = None) -> Handle:
+        _claim(name)
+        return _named(self.comm(process_set).allgather_async(tensor, name), name)
 
-    def broadcast(self, tensor: Any, root_rank: int, name: str | None = None,
-                  process_set: Communicator | None = None) -> Any:
-        return self.comm(process_set).broadcast(tensor, root_rank, name)
+    def allgather(self, tensor: Any, name: str | None = None, process_set: Any = None) -> Any:
+        return self.allgather_async(tensor, name, process_set).wait()
+
+    def grouped_allgather(self, tensors: Sequence[Any], name: str | None = None,
+                          process_set: Any = None) -> list[Any]:
+        """Allgather several tensors (started together, waited together)."""
+        _claim(name)
+        comm = self.comm(process_set)
+        handles = [comm.allgather_async(t, None if name is None else f"{name}.{i}")
+                   for i, t in enumerate(tensors)]
+        return [h.wait() for h in handles]
 
     def broadcast_async(self, tensor: Any, root_rank: int, name: str | None = None,
-                        process_set: Communicator | None = None) -> Handle:
-        return self.comm(process_set).broadcast_async(tensor, root_rank, name)
+                        process_set: Any = None) -> Handle:
+        _claim(name)
+        comm, root = self.target(process_set, root_rank)
+        handle = _Mapped(comm.broadcast_async(tensor, root, name),
+                         lambda out: keep_shape(tensor, out))
+        return _named(handle, name)
+
+    def broadcast(self, tensor: Any, root_rank: int, name: str | None = None,
+                  process_set: Any = None) -> Any:
+        return self.broadcast_async(tensor, root_rank, name, process_set).wait()
 
     def alltoall(self, tensor: Any, splits: Any = None, name: str | None = None,
-                 process_set: Communicator | None = None) -> tuple[Any, Any]:
+                 process_set: Any = None) -> Any:
+        """Horovod's ``alltoall``: the received tensor, and with ``splits`` given also the
+        received splits (an int32 tensor of the tensor's framework); without ``splits``
+        the first dimension is split evenly."""
+        _claim(name)
+        given = splits
         if splits is not None and not isinstance(splits, (list, tuple)):
             splits = [int(s) for s in splits]
-        return self.comm(process_set).alltoall(tensor, splits, name)  # type: ignore[attr-defined,no-any-return]
+        out, received = self.comm(process_set).alltoall(tensor, splits, name)  # type: ignore[attr-defined]
+        if given is None:
+            return out
+        from plait.adapters import ops_for
+
+        ops = ops_for(tensor)
+        if isinstance(received, list):
+            import numpy as np
+
+            received = ops.from_numpy(np.asarray(received, dtype=np.int32),
+                                      ops.zeros([len(received)], "int32", tensor))
+        return out, received
+
+    def alltoall_async(self, tensor: Any, splits: Any = None, name: str | None = None,
+                       process_set: Any = None) -> Handle:
+        """:meth:`alltoall` as a handle (plait runs it at call time)."""
+        return _Done(self.alltoall(tensor, splits, name, process_set))
+
+    def reducescatter_async(self, tensor: Any, name: str | None = None, op: str = Average,
+                            process_set: Any = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0) -> Handle:
+        """Reduce over the ranks and keep this rank's rows; Horovod's rule gives the first
+        ``rows % size`` ranks one extra row. plait runs it at call time."""
+        _claim(name)
+        out = self.comm(process_set).reducescatter(  # type: ignore[attr-defined]
+            scale(tensor, prescale_factor), op, name)
+        return _Done(scale(out, postscale_factor))
 
     def reducescatter(self, tensor: Any, name: str | None = None, op: str = Average,
-                      process_set: Communicator | None = None) -> Any:
-        return self.comm(process_set).reducescatter(tensor, op, name)  # type: ignore[attr-defined]
+                      process_set: Any = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0) -> Any:
+        return self.reducescatter_async(tensor, name, op, process_set, prescale_factor,
+                                        postscale_factor).wait()
 
-    def barrier(self, process_set: Communicator | None = None) -> None:
+    def grouped_reducescatter(self, tensors: Sequence[Any], name: str | None = None,
+                              op: str = Average, process_set: Any = None,
+                              prescale_factor: float = 1.0,
+                              postscale_factor: float = 1.0) -> list[Any]:
+        """:meth:`reducescatter` of several tensors."""
+        _claim(name)
+        return [self.reducescatter(t, None if name is None else f"{name}.{i}", op, process_set,
+                                   prescale_factor, postscale_factor)
+                for i, t in enumerate(tensors)]
+
+    def barrier(self, process_set: Any = None) -> None:
         self.comm(process_set).barrier()
 
     @staticmethod
@@ -254,9 +532,10 @@ class Face:
         return handle.wait()
 
     def broadcast_object(self, obj: Any, root_rank: int = 0, name: str | None = None,
-                         process_set: Communicator | None = None) -> Any:
-        return self.comm(process_set).broadcast_object(obj, root_rank)
+                         process_set: Any = None) -> Any:
+        comm, root = self.target(process_set, root_rank)
+        return comm.broadcast_object(obj, root)
 
     def allgather_object(self, obj: Any, name: str | None = None,
-                         process_set: Communicator | None = None) -> list[Any]:
+                         process_set: Any = None) -> list[Any]:
         return self.comm(process_set).allgather_object(obj)

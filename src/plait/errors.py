@@ -10,6 +10,7 @@ __all__ = [
     "BackendUnavailableError",
     "CollectiveTimeoutError",
     "ConfigError",
+    "HorovodInternalError",
     "MismatchError",
     "PlaitError",
     "PlaitTypeError",
@@ -35,14 +36,24 @@ class BackendUnavailableError(PlaitError, ImportError):
     """A communication backend or framework was asked for but cannot be used here."""
 
 
-class MismatchError(PlaitError, RuntimeError):
+class HorovodInternalError(PlaitError, RuntimeError):
+    """A collective failed across ranks (Horovod's ``hvd.HorovodInternalError``).
+
+    Horovod raises its ``HorovodInternalError`` (a ``RuntimeError``) when a collective
+    fails, e.g. ranks submitted different shapes or Horovod shut down after a stall;
+    plait's :class:`MismatchError` and :class:`CollectiveTimeoutError` derive from this
+    class so that ``except hvd.HorovodInternalError`` written for Horovod catches them.
+    """
+
+
+class MismatchError(HorovodInternalError):
     """Ranks called different collectives (or the same one with different arguments).
 
     Raised on every rank of the communicator, with every rank's call in the message.
     """
 
 
-class CollectiveTimeoutError(PlaitError, RuntimeError):
+class CollectiveTimeoutError(HorovodInternalError):
     """Some ranks did not reach a collective within the configured timeout."""
 
 

@@ -23,22 +23,30 @@ from ._face import (
     elastic_attribute,
     gradient_compression,
 )
-from .compression import Compression
-from .errors import invalid
+from ._face_compression import Compression, Compressor
+from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .errors import HorovodInternalError, invalid
 from .parallel.data import DEFAULT_BUCKET_MB
-from .protocols import Communicator
 from .tensorflow import allgather, allreduce, broadcast, broadcast_variables
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "Product", "Sum",
-    "allgather", "backend", "allreduce", "broadcast", "broadcast_variables", "callbacks", "init",
-    "is_initialized", "local_rank", "local_size", "rank", "shutdown", "size",
+    "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer",
+    "HorovodInternalError", "Max", "Min", "Product", "ProcessSet", "Sum", "add_process_set",
+    "allgather", "allreduce", "backend", "broadcast", "broadcast_variables", "callbacks",
+    "ccl_built", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled",
+    "init", "is_homogeneous", "is_initialized", "local_rank", "local_size", "mpi_built",
+    "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "remove_process_set",
+    "rocm_built", "shutdown", "size",
 ]
 
 _F = Face("tensorflow")
 init, shutdown, is_initialized = _F.init, _F.shutdown, _F.is_initialized
 rank, size, local_rank, local_size = _F.rank, _F.size, _F.local_rank, _F.local_size
-backend = _F.backend
+backend, mpi_threads_supported = _F.backend, _F.mpi_threads_supported
+mpi_built, gloo_built, nccl_built, ccl_built = _F.mpi_built, _F.gloo_built, _F.nccl_built, _F.ccl_built
+cuda_built, rocm_built, ddl_built, is_homogeneous = (_F.cuda_built, _F.rocm_built, _F.ddl_built,
+                                                     _F.is_homogeneous)
+mpi_enabled, gloo_enabled = _F.mpi_enabled, _F.gloo_enabled
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name
@@ -46,7 +54,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     compression: Any = Compression.none, sparse_as_dense: bool = False,
     gradient_predivide_factor: float = 1.0, op: str = Average, backward_passes_per_step: int = 1,
     average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
-    process_set: Communicator | None = None, scale_local_gradients: bool = True, *,
+    process_set: Any = None, scale_local_gradients: bool = True, *,
     bucket_mb: float = DEFAULT_BUCKET_MB, memory: Any = None,
 ) -> Any:
     """Horovod's ``horovod.tensorflow.keras.DistributedOptimizer``, for Keras 3: a copy of
@@ -102,13 +110,13 @@ class callbacks:  # noqa: N801 - Horovod's module name, hvd.callbacks.X
 
     @staticmethod
     def BroadcastGlobalVariablesCallback(root_rank: int = 0, device: str = "",  # noqa: N802
-                                         process_set: Communicator | None = None) -> Any:
+                                         process_set: Any = None) -> Any:
         """Copy ``root_rank``'s model and optimizer variables to all ranks when training starts."""
-        return _cb.BroadcastGlobalVariablesCallback(root_rank, _F.comm(process_set))
+        return _cb.BroadcastGlobalVariablesCallback(*reversed(_F.target(process_set, root_rank)))
 
     @staticmethod
     def MetricAverageCallback(device: str = "",  # noqa: N802
-                              process_set: Communicator | None = None) -> Any:
+                              process_set: Any = None) -> Any:
         """Average each epoch's metrics over ranks."""
         return _cb.MetricAverageCallback(_F.comm(process_set))
 
@@ -116,7 +124,7 @@ class callbacks:  # noqa: N801 - Horovod's module name, hvd.callbacks.X
     def LearningRateScheduleCallback(  # noqa: N802
         initial_lr: float, multiplier: Any, start_epoch: int = 0, end_epoch: float | None = None,
         staircase: bool = True, momentum_correction: bool = True,
-        steps_per_epoch: int | None = None, process_set: Communicator | None = None,
+        steps_per_epoch: int | None = None, process_set: Any = None,
     ) -> Any:
         """``lr = initial_lr * multiplier(epoch)`` from ``start_epoch`` to ``end_epoch``."""
         return _cb.LearningRateScheduleCallback(
@@ -127,7 +135,7 @@ class callbacks:  # noqa: N801 - Horovod's module name, hvd.callbacks.X
     def LearningRateWarmupCallback(  # noqa: N802
         initial_lr: float, warmup_epochs: float = 5, momentum_correction: bool = True,
         steps_per_epoch: int | None = None, verbose: int = 0,
-        process_set: Communicator | None = None,
+        process_set: Any = None,
     ) -> Any:
         """Ramp the rate from ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs``."""
         return _cb.LearningRateWarmupCallback(initial_lr, _F.comm(process_set), warmup_epochs,

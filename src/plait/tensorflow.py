@@ -23,17 +23,22 @@ from ._face import (
     reduce_tensor,
     resolve_op,
 )
-from .compression import Compression
+from ._face import _claim as claim_name
+from ._face_compression import Compression, Compressor
+from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .errors import HorovodInternalError
 from .parallel.data import DEFAULT_BUCKET_MB
-from .protocols import Communicator
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedGradientTape", "DistributedOptimizer", "Max",
-    "Min", "Product", "Sum",
-    "allgather", "backend", "allgather_object", "allreduce", "alltoall", "barrier", "broadcast",
-    "broadcast_object", "broadcast_variables", "cross_rank", "cross_size", "grouped_allreduce",
-    "init", "is_initialized", "local_rank", "local_size", "mpi_threads_supported", "rank",
-    "reducescatter", "shutdown", "size",
+    "Adasum", "Average", "Compression", "Compressor", "DistributedGradientTape",
+    "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "Product", "ProcessSet", "Sum",
+    "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall", "backend",
+    "barrier", "broadcast", "broadcast_object", "broadcast_variables", "ccl_built", "cross_rank",
+    "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled",
+    "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "init", "is_homogeneous",
+    "is_initialized", "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_built",
+    "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "rank_op", "reducescatter",
+    "remove_process_set", "rocm_built", "shutdown", "size", "size_op",
 ]
 
 _F = Face("tensorflow")
@@ -41,31 +46,67 @@ init, shutdown, is_initialized = _F.init, _F.shutdown, _F.is_initialized
 rank, size, local_rank, local_size = _F.rank, _F.size, _F.local_rank, _F.local_size
 backend = _F.backend
 cross_rank, cross_size, mpi_threads_supported = _F.cross_rank, _F.cross_size, _F.mpi_threads_supported
+mpi_built, gloo_built, nccl_built, ccl_built = _F.mpi_built, _F.gloo_built, _F.nccl_built, _F.ccl_built
+cuda_built, rocm_built, ddl_built, is_homogeneous = (_F.cuda_built, _F.rocm_built, _F.ddl_built,
+                                                     _F.is_homogeneous)
+mpi_enabled, gloo_enabled = _F.mpi_enabled, _F.gloo_enabled
 grouped_allreduce, allgather, broadcast = _F.grouped_allreduce, _F.allgather, _F.broadcast
+grouped_allgather, grouped_reducescatter = _F.grouped_allgather, _F.grouped_reducescatter
 alltoall, reducescatter, barrier = _F.alltoall, _F.reducescatter, _F.barrier
 broadcast_object, allgather_object = _F.broadcast_object, _F.allgather_object
+
+
+def _int32(value: int) -> Any:
+    from plait.adapters import adapter
+
+    return adapter("tensorflow").zeros([], "int32", None) + value
+
+
+def size_op(process_set: Any = None, name: str | None = None) -> Any:
+    """The number of ranks of ``process_set`` as an int32 tensor (Horovod's ``size_op``)."""
+    return _int32(_F.comm(process_set).size)
+
+
+def rank_op(name: str | None = None) -> Any:
+    """This process's rank as an int32 tensor (Horovod's ``rank_op``)."""
+    return _int32(rank())
+
+
+def local_rank_op(name: str | None = None) -> Any:
+    """This process's rank on its host as an int32 tensor (Horovod's ``local_rank_op``)."""
+    return _int32(local_rank())
+
+
+def local_size_op(name: str | None = None) -> Any:
+    """The number of ranks on this host as an int32 tensor (Horovod's ``local_size_op``)."""
+    return _int32(local_size())
 
 
 def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
               device_sparse: str = "", compression: Any = Compression.none, op: str | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0, name: str | None = None,
-              process_set: Communicator | None = None) -> Any:
-    """Reduce ``tensor`` over ranks (Horovod's signature; device arguments are ignored)."""
+              process_set: Any = None) -> Any:
+    """Reduce ``tensor`` over ranks (Horovod's signature; device arguments are ignored).
+
+    Raises:
+        ConfigError: when an operation of the same ``name`` is still in flight.
+    """
+    claim_name(name)
     return reduce_tensor(_F.comm(process_set), tensor, resolve_op(average, op), name, compression,
                          prescale_factor, postscale_factor)
 
 
-def broadcast_variables(variables: Sequence[Any], root_rank: int,
-                        process_set: Communicator | None = None) -> None:
+def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: Any = None) -> None:
     """Assign ``root_rank``'s values to ``variables`` (tf.Variable or Keras 3) everywhere."""
-    tf_optim.broadcast_variables(list(variables), _F.comm(process_set), root_rank)
+    comm, root = _F.target(process_set, root_rank)
+    tf_optim.broadcast_variables(list(variables), comm, root)
 
 
 def DistributedGradientTape(  # noqa: N802 - Horovod's name
     gradtape: Any, device_dense: str = "", device_sparse: str = "",
     compression: Any = Compression.none, sparse_as_dense: bool = False, op: str = Average,
     gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
-    process_set: Communicator | None = None, scale_local_gradients: bool = True, *,
+    process_set: Any = None, scale_local_gradients: bool = True, *,
     bucket_mb: float = DEFAULT_BUCKET_MB, memory: Any = None,
 ) -> tf_optim.DistributedGradientTape:
     """Horovod's ``DistributedGradientTape``: ``gradient()`` returns averaged gradients,
@@ -110,7 +151,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     device_sparse: str = "", compression: Any = Compression.none, sparse_as_dense: bool = False,
     backward_passes_per_step: int = 1, op: str = Average, gradient_predivide_factor: float = 1.0,
     average_aggregated_gradients: bool = False, num_groups: int = 0, groups: Any = None,
-    process_set: Communicator | None = None, scale_local_gradients: bool = True, *,
+    process_set: Any = None, scale_local_gradients: bool = True, *,
     bucket_mb: float = DEFAULT_BUCKET_MB, memory: Any = None,
 ) -> Any:
     """Horovod's ``horovod.tensorflow.DistributedOptimizer`` for a Keras 3 optimizer: the

@@ -26,17 +26,24 @@ from ._face import (
     reduce_tensor,
     resolve_op,
 )
-from .compression import Compression
+from ._face import _claim as claim_name
+from ._face_compression import Compression, Compressor
+from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from .errors import HorovodInternalError
 from .parallel.data import DEFAULT_BUCKET_MB
-from .protocols import Communicator
 
 __all__ = [
-    "Adasum", "Average", "Compression", "DistributedOptimizer", "Max", "Min", "Product", "Sum",
-    "allgather", "backend", "allgather_async", "allgather_object", "allreduce", "allreduce_",
-    "allreduce_async", "alltoall", "barrier", "broadcast", "broadcast_", "broadcast_async",
-    "broadcast_object", "broadcast_optimizer_state", "broadcast_parameters", "cross_rank",
-    "cross_size", "grouped_allreduce", "init", "is_initialized", "local_rank", "local_size",
-    "mpi_threads_supported", "poll", "rank", "reducescatter", "shutdown", "size", "synchronize",
+    "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer",
+    "HorovodInternalError", "Max", "Min", "Product", "ProcessSet", "Sum", "add_process_set",
+    "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
+    "allreduce_async", "alltoall", "alltoall_async", "backend", "barrier", "broadcast",
+    "broadcast_", "broadcast_async", "broadcast_object", "broadcast_optimizer_state",
+    "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
+    "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
+    "grouped_allreduce_", "grouped_reducescatter", "init", "is_homogeneous", "is_initialized",
+    "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
+    "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "remove_process_set",
+    "rocm_built", "shutdown", "size", "synchronize",
 ]
 
 _F = Face("torch")
@@ -44,9 +51,15 @@ init, shutdown, is_initialized = _F.init, _F.shutdown, _F.is_initialized
 rank, size, local_rank, local_size = _F.rank, _F.size, _F.local_rank, _F.local_size
 backend = _F.backend
 cross_rank, cross_size, mpi_threads_supported = _F.cross_rank, _F.cross_size, _F.mpi_threads_supported
+mpi_built, gloo_built, nccl_built, ccl_built = _F.mpi_built, _F.gloo_built, _F.nccl_built, _F.ccl_built
+cuda_built, rocm_built, ddl_built, is_homogeneous = (_F.cuda_built, _F.rocm_built, _F.ddl_built,
+                                                     _F.is_homogeneous)
+mpi_enabled, gloo_enabled = _F.mpi_enabled, _F.gloo_enabled
 allreduce_async, grouped_allreduce = _F.allreduce_async, _F.grouped_allreduce
 allgather, allgather_async, broadcast_async = _F.allgather, _F.allgather_async, _F.broadcast_async
-alltoall, reducescatter, barrier = _F.alltoall, _F.reducescatter, _F.barrier
+grouped_allgather, grouped_reducescatter = _F.grouped_allgather, _F.grouped_reducescatter
+alltoall, alltoall_async, barrier = _F.alltoall, _F.alltoall_async, _F.barrier
+reducescatter, reducescatter_async = _F.reducescatter, _F.reducescatter_async
 poll, synchronize = _F.poll, _F.synchronize
 broadcast_object, allgather_object = _F.broadcast_object, _F.allgather_object
 
@@ -54,7 +67,7 @@ broadcast_object, allgather_object = _F.broadcast_object, _F.allgather_object
 def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
               compression: Any = Compression.none, op: str | None = None,
               prescale_factor: float = 1.0, postscale_factor: float = 1.0,
-              process_set: Communicator | None = None) -> Any:
+              process_set: Any = None) -> Any:
     """Reduce ``tensor`` over ranks (differentiable: the gradient is allreduced too).
 
     Args:
@@ -65,11 +78,15 @@ def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
         op: Average (default), Sum, Min, Max, Product, or Adasum (Horovod backend).
         prescale_factor: multiply before the reduction.
         postscale_factor: multiply after the reduction.
-        process_set: a sub-communicator (from ``split``) instead of all ranks.
+        process_set: a ``ProcessSet`` (or a plait sub-communicator) instead of all ranks.
 
     Returns:
-        The reduced tensor.
+        The reduced tensor (0-d stays 0-d).
+
+    Raises:
+        ConfigError: when an operation of the same ``name`` is still in flight.
     """
+    claim_name(name)
     reduce_op = resolve_op(average, op)
     comm = _F.comm(process_set)
 
@@ -82,36 +99,48 @@ def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
 
 
 def allreduce_(tensor: Any, average: bool | None = None, name: str | None = None,
-               op: str | None = None, process_set: Communicator | None = None) -> Any:
+               op: str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
+               process_set: Any = None) -> Any:
     """In-place :func:`allreduce`; returns ``tensor``."""
-    out = _F.comm(process_set).allreduce(tensor, resolve_op(average, op), name)
-    tensor.data.copy_(out)
+    tensor.data.copy_(_F.allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
+                                   process_set))
     return tensor
 
 
-def broadcast(tensor: Any, root_rank: int, name: str | None = None,
-              process_set: Communicator | None = None) -> Any:
-    """Return ``root_rank``'s tensor on every rank."""
+def grouped_allreduce_(tensors: Any, average: bool | None = None, name: str | None = None,
+                       op: str | None = None, prescale_factor: float = 1.0,
+                       postscale_factor: float = 1.0, process_set: Any = None) -> list[Any]:
+    """In-place :func:`grouped_allreduce`; returns ``tensors``."""
+    tensors = list(tensors)
+    outs = _F.grouped_allreduce(tensors, average, name, op, prescale_factor, postscale_factor,
+                                process_set)
+    for t, o in zip(tensors, outs):
+        t.data.copy_(o)
+    return tensors
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None, process_set: Any = None) -> Any:
+    """Return ``root_rank``'s tensor on every rank (a global rank, also with a ``ProcessSet``)."""
     return _F.broadcast(tensor, root_rank, name, process_set)
 
 
 def broadcast_(tensor: Any, root_rank: int, name: str | None = None,
-               process_set: Communicator | None = None) -> Any:
+               process_set: Any = None) -> Any:
     """In-place :func:`broadcast`; returns ``tensor``."""
     tensor.data.copy_(_F.broadcast(tensor, root_rank, name, process_set))
     return tensor
 
 
-def broadcast_parameters(params: Any, root_rank: int = 0,
-                         process_set: Communicator | None = None) -> None:
+def broadcast_parameters(params: Any, root_rank: int = 0, process_set: Any = None) -> None:
     """Copy ``root_rank``'s parameters (``state_dict()`` or ``named_parameters()``) to all."""
-    torch_optim.broadcast_parameters(params, _F.comm(process_set), root_rank)
+    comm, root = _F.target(process_set, root_rank)
+    torch_optim.broadcast_parameters(params, comm, root)
 
 
-def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0,
-                              process_set: Communicator | None = None) -> None:
+def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0, process_set: Any = None) -> None:
     """Copy ``root_rank``'s optimizer state and hyper-parameters to all ranks."""
-    torch_optim.broadcast_optimizer_state(optimizer, _F.comm(process_set), root_rank)
+    comm, root = _F.target(process_set, root_rank)
+    torch_optim.broadcast_optimizer_state(optimizer, comm, root)
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name
@@ -124,7 +153,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     num_groups: int = 0,
     groups: Any = None,
     sparse_as_dense: bool = False,
-    process_set: Communicator | None = None,
+    process_set: Any = None,
     *,
     bucket_mb: float = DEFAULT_BUCKET_MB,
     memory: Any = None,

@@ -48,7 +48,7 @@ def test_torch_collectives_with_horovod_signatures():
     assert torch.equal(z, torch.full((2,), float(n - 1)))
     assert hvd.allgather(torch.ones(r + 1, 2)).shape == (n * (n + 1) // 2, 2)
     out, splits = hvd.alltoall(torch.arange(float(n)), splits=torch.ones(n, dtype=torch.int32))
-    assert splits == [1] * n and torch.equal(out, torch.full((n,), float(r)))
+    assert splits.tolist() == [1] * n and torch.equal(out, torch.full((n,), float(r)))
     assert hvd.broadcast_object({"r": r}, root_rank=0) == {"r": 0}
     assert hvd.allgather_object(r) == list(range(n))
     hvd.barrier()
@@ -266,3 +266,199 @@ def test_tf_tape_and_keras_optimizer_with_error_feedback_memory():
             dist.apply_gradients(zip(grads, model.trainable_variables))
         _same_everywhere(np.concatenate([w.ravel() for w in model.get_weights()]))
     assert tape_memory.residuals and opt_memory.residuals
+
+
+# -- Horovod 0.28 API parity (issue 22): documented behaviour, and real Horovod where it runs ----
+_QUERIES = ("mpi_built", "gloo_built", "nccl_built", "ccl_built", "cuda_built", "rocm_built",
+            "ddl_built", "mpi_enabled", "gloo_enabled", "mpi_threads_supported", "is_homogeneous")
+
+
+def test_build_queries_answer_for_the_backend():
+    for face in (hvd, htf, hk):
+        answers = {q: getattr(face, q)() for q in _QUERIES}
+        if hvd.backend() == "mpi":  # plait's own MPI path: MPI only, no GPU kernels
+            assert answers == {"mpi_built": True, "gloo_built": False, "nccl_built": 0,
+                               "ccl_built": False, "cuda_built": False, "rocm_built": False,
+                               "ddl_built": False, "mpi_enabled": True, "gloo_enabled": False,
+                               "mpi_threads_supported": True, "is_homogeneous": True}
+        else:  # the answers of the Horovod library this backend runs on
+            from horovod.torch import mpi_ops as real  # (is_homogeneous is only there)
+
+            assert answers == {q: getattr(real, q)() for q in _QUERIES}
+            assert answers["mpi_built"] and answers["mpi_enabled"]  # started by mpirun
+
+
+def test_compression_has_horovods_interface():
+    x = torch.tensor([1.5, -2.0])
+    half, ctx = hvd.Compression.fp16.compress(x)
+    assert half.dtype == torch.float16 and ctx == torch.float32
+    back = hvd.Compression.fp16.decompress(half, ctx)
+    assert back.dtype == torch.float32 and torch.equal(back, x)
+    i = torch.tensor([3, 4])
+    assert hvd.Compression.fp16.compress(i)[0] is i  # integers pass unchanged, as in Horovod
+    assert hvd.Compression.none.compress(x) == (x, None)
+    t = tf.constant([1.5, -2.0])
+    th, tctx = htf.Compression.fp16.compress(t)
+    assert th.dtype == tf.float16 and tctx == tf.float32
+    assert htf.Compression.fp16.decompress(th, tctx).dtype == tf.float32
+    assert hk.Compression.fp16 is htf.Compression.fp16 and issubclass(hk.Compressor, object)
+
+
+def test_user_compressor_subclass_works_in_allreduce_and_optimizer():
+    class _Doubling(hvd.Compressor):
+        """A user's Horovod compressor: sends 2x, halves after the sum; counts its calls."""
+
+        calls = 0
+
+        @staticmethod
+        def compress(tensor):
+            _Doubling.calls += 1
+            return tensor * 2, None
+
+        @staticmethod
+        def decompress(tensor, ctx):
+            return tensor / 2
+
+    n = hvd.size()
+    x = torch.full((3,), float(hvd.rank() + 1))
+    assert torch.allclose(hvd.allreduce(x, op=hvd.Sum, compression=_Doubling),
+                          torch.full((3,), n * (n + 1) / 2))
+    assert _Doubling.calls == 1
+    plain = _torch_run(hvd.Compression.none, None, steps=2)
+    assert np.allclose(_torch_run(_Doubling, None, steps=2), plain, atol=1e-6)
+    assert _Doubling.calls > 1
+    np.testing.assert_allclose(htf.allreduce(tf.fill([2], 1.0), op=htf.Sum,
+                                             compression=_Doubling).numpy(), np.full(2, float(n)))
+
+
+def test_errors_are_the_types_horovod_raises():
+    assert issubclass(plait.MismatchError, hvd.HorovodInternalError)
+    assert issubclass(plait.CollectiveTimeoutError, htf.HorovodInternalError)
+    assert issubclass(hvd.HorovodInternalError, RuntimeError) and hk.HorovodInternalError
+    if hvd.backend() == "horovod":  # real Horovod's class is a RuntimeError too
+        from horovod.common.exceptions import HorovodInternalError
+
+        assert issubclass(HorovodInternalError, RuntimeError)
+    with pytest.raises(hvd.HorovodInternalError, match="shape"):  # ranks disagree on the shape
+        hvd.allreduce(torch.ones(hvd.rank() + 1), name="mismatched")
+    hvd.barrier()
+    x = torch.ones(4)
+    h = hvd.allreduce_async(x, name="dup")
+    with pytest.raises(ValueError, match="'dup'"):  # Horovod: a ValueError, raised locally
+        hvd.allreduce_async(x, name="dup")
+    with pytest.raises(ValueError, match="'dup'"):
+        hvd.allgather(x, name="dup")
+    assert torch.equal(hvd.synchronize(h), x)
+    assert torch.equal(hvd.allreduce(x, name="dup"), x)  # free again once synchronized
+    h = hvd.broadcast_async(x, 0, name="dup2")
+    while not hvd.poll(h):
+        pass
+    assert torch.equal(hvd.broadcast(x, 0, name="dup2"), x) and torch.equal(h.wait(), x)
+
+
+def test_zero_d_tensors_stay_zero_d():
+    r, n = hvd.rank(), hvd.size()
+    s = torch.tensor(float(r + 1))
+    assert hvd.allreduce(s, op=hvd.Sum).shape == () and hvd.allreduce(s, op=hvd.Sum) == n * (n + 1) / 2
+    assert hvd.broadcast(s, 0).shape == () and hvd.broadcast(s, 0) == 1.0
+    assert hvd.synchronize(hvd.allreduce_async(s, op=hvd.Max)).shape == ()
+    assert hvd.grouped_allreduce([s, s], op=hvd.Sum)[1].shape == ()
+    t = tf.constant(float(r + 1))
+    assert htf.allreduce(t, op=htf.Sum).shape == () and htf.broadcast(t, 0).shape == ()
+    assert tf.function(lambda a: htf.allreduce(a, op=htf.Sum))(t).shape == ()
+
+
+def test_alltoall_returns_what_horovod_returns():
+    r, n = hvd.rank(), hvd.size()
+    even = hvd.alltoall(torch.arange(float(2 * n)))  # no splits: even parts, a tensor only
+    assert isinstance(even, torch.Tensor) and even.tolist() == [float(2 * r), float(2 * r + 1)] * n
+    out, received = hvd.alltoall(torch.arange(float(n)), splits=[1] * n)
+    assert received.dtype == torch.int32 and received.tolist() == [1] * n
+    assert isinstance(htf.alltoall(tf.range(float(n))), tf.Tensor)
+    tout, trecv = htf.alltoall(tf.range(float(n)), splits=[1] * n)
+    assert trecv.dtype == tf.int32 and trecv.numpy().tolist() == [1] * n
+    with pytest.raises(ValueError, match="splits"):
+        hvd.alltoall(torch.arange(float(n + 1)))
+    if hvd.backend() == "horovod":  # the same structure as real horovod.torch
+        import horovod.torch as real
+
+        assert isinstance(real.alltoall(torch.arange(float(2 * n)), name="real.a2a"), torch.Tensor)
+        assert len(real.alltoall(torch.arange(float(n)), splits=torch.ones(n, dtype=torch.int32),
+                                 name="real.a2a.s")) == 2
+
+
+def test_process_sets():
+    r, n = hvd.rank(), hvd.size()
+    with pytest.raises(ValueError, match="dynamic"):
+        hvd.add_process_set([0])
+    hvd.init(process_sets="dynamic")  # again: keeps the world, allows add_process_set
+    assert hvd.global_process_set.size() == n and hvd.global_process_set.ranks == list(range(n))
+    even = hvd.add_process_set([q for q in range(n) if q % 2 == 0])
+    odd = hvd.add_process_set(hvd.ProcessSet([q for q in range(n) if q % 2]))
+    mine, other = (even, odd) if r % 2 == 0 else (odd, even)
+    assert mine.included() and not other.included() and mine.rank() == mine.ranks.index(r)
+    assert mine.size() == len(mine.ranks) and even.process_set_id != odd.process_set_id
+    with pytest.raises(ValueError, match="not part"):
+        other.rank()
+    with pytest.raises(ValueError, match="duplicate"):
+        hvd.add_process_set(list(even.ranks))
+    x = torch.full((2,), float(r))
+    assert torch.equal(hvd.allreduce(x, op=hvd.Sum, process_set=mine),
+                       torch.full((2,), float(sum(mine.ranks))))
+    with pytest.raises(ValueError, match="not a part"):
+        hvd.allreduce(x, process_set=other)
+    root = mine.ranks[-1]  # roots are global ranks, as in Horovod
+    assert torch.equal(hvd.broadcast(x, root, process_set=mine), torch.full((2,), float(root)))
+    assert hvd.broadcast_object({"r": r}, root, process_set=mine) == {"r": root}
+    assert hvd.allgather_object(r, process_set=mine) == mine.ranks
+    assert hvd.allgather(x[:1], process_set=mine).tolist() == [float(q) for q in mine.ranks]
+    m = torch.nn.Linear(2, 1)
+    with torch.no_grad():
+        m.weight.fill_(float(r))
+    hvd.broadcast_parameters(m.state_dict(), root_rank=root, process_set=mine)
+    assert torch.all(m.weight == float(root))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=1.0), m.named_parameters(),
+                                   op=hvd.Sum, process_set=mine)
+    opt.zero_grad()
+    (m(torch.ones(1, 2)).sum() * (r + 1)).backward()
+    opt.step()  # weight - sum of the members' (r + 1)
+    assert torch.allclose(m.weight, torch.full((1, 2), float(root - sum(q + 1 for q in mine.ranks))))
+    np.testing.assert_allclose(
+        htf.allreduce(tf.fill([2], float(r)), op=htf.Sum, process_set=mine).numpy(),
+        np.full(2, float(sum(mine.ranks))))
+    assert int(htf.size_op(process_set=mine)) == mine.size() and int(htf.rank_op()) == r
+    assert int(htf.local_rank_op()) == htf.local_rank() and int(htf.local_size_op()) == n
+    assert hvd.remove_process_set(odd) and hvd.remove_process_set(even)
+    assert not hvd.remove_process_set(even) and not hvd.remove_process_set(hvd.global_process_set)
+    assert even.process_set_id is None and even.size() is None
+    with pytest.raises(ValueError, match="not registered"):
+        hvd.allreduce(x, process_set=mine)
+    first = hvd.ProcessSet([0])
+    hvd.init(process_sets=[first])
+    assert first.process_set_id is not None and first.included() == (r == 0)
+    if r == 0:
+        assert torch.equal(hvd.allreduce(x, op=hvd.Sum, process_set=first), x)
+    hvd.remove_process_set(first)
+    hvd.barrier()
+
+
+def test_grouped_forms_and_scale_factors():
+    r, n = hvd.rank(), hvd.size()
+    got = hvd.grouped_allgather([torch.ones(1), torch.full((2,), float(r))])
+    assert got[0].shape == (n,) and got[1].tolist() == [float(q) for q in range(n) for _ in (0, 1)]
+    rows = torch.arange(float(2 * n)).reshape(2 * n, 1)
+    parts = hvd.grouped_reducescatter([rows, rows * 2], op=hvd.Sum)
+    assert parts[0].flatten().tolist() == [float(n * (2 * r)), float(n * (2 * r + 1))]
+    assert torch.equal(parts[1], parts[0] * 2)
+    h = hvd.reducescatter_async(rows, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
+    assert torch.equal(hvd.synchronize(h), parts[0])
+    ts = [torch.ones(2), torch.full((1,), float(r))]
+    assert hvd.grouped_allreduce_(ts, op=hvd.Sum) == ts
+    assert torch.equal(ts[0], torch.full((2,), float(n)))
+    i = torch.tensor([3, 5], dtype=torch.int32)  # integers: scaled, still integers
+    out = hvd.allreduce(i, op=hvd.Sum, prescale_factor=2.0)
+    assert out.dtype == torch.int32 and out.tolist() == [6 * n, 10 * n]
+    ti = htf.allreduce(tf.constant([3, 5]), op=htf.Sum, prescale_factor=2.0, postscale_factor=0.5)
+    assert ti.dtype == tf.int32 and ti.numpy().tolist() == [3 * n, 5 * n]
+    tg = htf.grouped_allgather([tf.ones([1]), tf.ones([2])])
+    assert [int(t.shape[0]) for t in tg] == [n, 2 * n]

@@ -1,0 +1,225 @@
+"""Horovod's process sets on plait's communicators: ``hvd.ProcessSet``,
+``hvd.add_process_set``, ``hvd.remove_process_set``, ``hvd.global_process_set`` and
+``hvd.init(process_sets=...)``, built on :meth:`Communicator.split`.
+
+As in Horovod, a process set is named by global ranks (sorted), adding one is a
+collective call of every rank (in the same order everywhere), and only its
+members may run collectives on it. Framework-free.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import Any
+
+from . import runtime
+from .errors import ConfigError, PlaitTypeError
+from .protocols import Communicator
+
+__all__ = ["ProcessSet", "add_process_set", "communicator", "global_process_set",
+           "init_process_sets", "remove_process_set"]
+
+
+class ProcessSet:
+    """A set of ranks that run collectives together (Horovod's ``hvd.ProcessSet``).
+
+    Pass it to ``hvd.init(process_sets=[...])`` or :func:`add_process_set`; once
+    registered it has a ``process_set_id`` and can be given as ``process_set=`` to
+    the faces' collectives and optimizers.
+
+    Args:
+        ranks: global ranks of the members (any order; kept sorted).
+
+    Raises:
+        PlaitTypeError: for anything but a sequence of ints (plait does not take an
+            mpi4py communicator here; use the ranks).
+    """
+
+    def __init__(self, ranks: Sequence[int]) -> None:
+        if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+            raise PlaitTypeError(
+                f"invalid ProcessSet({ranks!r}): expected a list of global ranks (plait does not "
+                "build process sets from an MPI communicator)")
+        values = list(ranks)
+        if any(isinstance(r, bool) or not isinstance(r, int) for r in values):
+            raise PlaitTypeError(f"invalid ProcessSet({values!r}): expected a list of int ranks")
+        self.ranks: list[int] = sorted(values)
+        self.process_set_id: int | None = None
+        self._comm: Communicator | None = None
+
+    def size(self) -> int | None:
+        """Number of ranks in the set, or None before it is registered."""
+        if self.process_set_id is None:
+            return None
+        return len(self.ranks) if self.process_set_id else runtime.world().size
+
+    def rank(self) -> int | None:
+        """This process's rank within the set, or None before it is registered.
+
+        Raises:
+            ConfigError: when this process is not a member (Horovod's ``ValueError``).
+        """
+        if self.process_set_id is None:
+            return None
+        if self.process_set_id == 0:
+            return runtime.world().rank
+        me = runtime.world().rank
+        if me not in self.ranks:
+            raise ConfigError(f"Process is not part of provided process set: rank {me} is not in "
+                              f"{self}")
+        return self.ranks.index(me)
+
+    def included(self) -> bool | None:
+        """Whether this process is a member (None for the global set before ``init``)."""
+        if self.process_set_id == 0:
+            return True
+        if not self.ranks:
+            return None
+        return runtime.world().rank in self.ranks
+
+    def __str__(self) -> str:
+        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+
+    __repr__ = __str__
+
+
+class _Registry:
+    """The process sets of this process (the world is one per process)."""
+
+    def __init__(self) -> None:
+        self.sets: dict[int, ProcessSet] = {}
+        self.next_id = 1
+        self.dynamic = False
+        self.world: Communicator | None = None
+
+    def reset(self, world: Communicator) -> None:
+        if self.world is not world:
+            for ps in self.sets.values():
+                ps.process_set_id, ps._comm = None, None
+            self.sets.clear()
+            self.world = world
+
+
+_REG = _Registry()
+#: The user's HOROVOD_DYNAMIC_PROCESS_SETS, read before the Horovod backend sets it for itself.
+_ENV_DYNAMIC = os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") == "1"
+
+#: Every rank (Horovod's ``hvd.global_process_set``, id 0).
+global_process_set = ProcessSet([])
+global_process_set.process_set_id = 0
+
+
+def _register(ps: ProcessSet) -> ProcessSet:
+    world = runtime.world()
+    _REG.reset(world)
+    bad = [r for r in ps.ranks if not 0 <= r < world.size]
+    if not ps.ranks or bad or len(set(ps.ranks)) != len(ps.ranks):
+        raise ConfigError(f"invalid process set ranks={ps.ranks!r}: expected distinct global ranks "
+                          f"in [0, {world.size}), at least one")
+    if ps.ranks == list(range(world.size)) or any(s.ranks == ps.ranks for s in _REG.sets.values()):
+        raise ConfigError(f"Attempted to add a duplicate process set: {ps}")
+    if ps.process_set_id is not None:
+        raise ConfigError(f"{ps} is already registered")
+    member = world.rank in ps.ranks
+    sub = world.split(0 if member else 1, world.rank)  # collective over every rank
+    ps._comm = sub if member else None
+    ps.process_set_id = _REG.next_id
+    _REG.next_id += 1
+    _REG.sets[ps.process_set_id] = ps
+    return ps
+
+
+def init_process_sets(process_sets: Any) -> None:
+    """``hvd.init(process_sets=...)``: register each set (collective), or allow
+    :func:`add_process_set` later with ``"dynamic"``.
+
+    Args:
+        process_sets: None, ``"dynamic"`` or a list of :class:`ProcessSet`.
+
+    Raises:
+        ConfigError: for a duplicate or invalid set, or another kind of value.
+    """
+    world = runtime.world()
+    _REG.reset(world)
+    global_process_set.ranks = list(range(world.size))
+    if process_sets is None:
+        return
+    if isinstance(process_sets, str):
+        if process_sets.lower() != "dynamic":
+            raise ConfigError(f"invalid process_sets={process_sets!r}: expected None, 'dynamic' "
+                              "or a list of ProcessSet")
+        _REG.dynamic = True
+        return
+    for i, ps in enumerate(process_sets):
+        if not isinstance(ps, ProcessSet):
+            raise ConfigError(f"invalid process_sets[{i}]={ps!r}: expected a ProcessSet")
+        _register(ps)
+
+
+def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
+    """Add a process set after ``init`` (every rank must call it, in the same order).
+
+    Args:
+        process_set: a :class:`ProcessSet` or a list of global ranks.
+
+    Returns:
+        The registered process set.
+
+    Raises:
+        ConfigError: unless ``init(process_sets="dynamic")`` was called (or
+            ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` is set), as in Horovod; for a duplicate
+            or invalid set.
+    """
+    if not (_REG.dynamic or _ENV_DYNAMIC):
+        raise ConfigError("add_process_set needs dynamic process sets: call "
+                          "hvd.init(process_sets='dynamic') or set HOROVOD_DYNAMIC_PROCESS_SETS=1")
+    ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
+    return _register(ps)
+
+
+def remove_process_set(process_set: ProcessSet) -> bool:
+    """Forget a process set added before.
+
+    Args:
+        process_set: the set.
+
+    Returns:
+        Whether it was removed (False for the global set or one never registered).
+    """
+    ps_id = process_set.process_set_id
+    if not ps_id or _REG.sets.get(ps_id) is not process_set:
+        return False
+    del _REG.sets[ps_id]
+    process_set.process_set_id, process_set._comm = None, None
+    return True
+
+
+def communicator(process_set: Any) -> tuple[Communicator, list[int] | None]:
+    """The communicator behind a face's ``process_set=`` argument.
+
+    Args:
+        process_set: None (every rank), a :class:`ProcessSet`, or a plait communicator
+            (for example from ``plait.world().split``).
+
+    Returns:
+        ``(communicator, global ranks of its members)``; the ranks are None for a plait
+        communicator, whose roots are given as group ranks.
+
+    Raises:
+        ConfigError: for a set that is not registered, or that this rank is not in.
+    """
+    if process_set is None:
+        return runtime.world(), None
+    if not isinstance(process_set, ProcessSet):
+        return process_set, None
+    if process_set.process_set_id == 0:
+        world = runtime.world()
+        return world, list(range(world.size))
+    if process_set.process_set_id is None or process_set._comm is None and not process_set.ranks:
+        raise ConfigError(f"{process_set} is not registered: pass it to hvd.init(process_sets=[...]) "
+                          "or hvd.add_process_set() first")
+    if process_set._comm is None:
+        raise ConfigError(f"rank {runtime.world().rank} is not a part of {process_set}: only its "
+                          "members may run collectives on it")
+    return process_set._comm, process_set.ranks
