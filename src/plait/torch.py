@@ -56,10 +56,10 @@ cuda_built, rocm_built, ddl_built, is_homogeneous = (_F.cuda_built, _F.rocm_buil
                                                      _F.is_homogeneous)
 mpi_enabled, gloo_enabled = _F.mpi_enabled, _F.gloo_enabled
 allreduce_async, grouped_allreduce = _F.allreduce_async, _F.grouped_allreduce
-allgather, allgather_async, broadcast_async = _F.allgather, _F.allgather_async, _F.broadcast_async
+allgather_async, broadcast_async = _F.allgather_async, _F.broadcast_async
 grouped_allgather, grouped_reducescatter = _F.grouped_allgather, _F.grouped_reducescatter
-alltoall, alltoall_async, barrier = _F.alltoall, _F.alltoall_async, _F.barrier
-reducescatter, reducescatter_async = _F.reducescatter, _F.reducescatter_async
+alltoall_async, barrier = _F.alltoall_async, _F.barrier
+reducescatter_async = _F.reducescatter_async
 poll, synchronize = _F.poll, _F.synchronize
 broadcast_object, allgather_object = _F.broadcast_object, _F.allgather_object
 
@@ -93,9 +93,94 @@ def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
     def forward(t: Any) -> Any:
         return reduce_tensor(comm, t, reduce_op, name, compression, prescale_factor, postscale_factor)
 
-    if tensor.requires_grad and reduce_op in (Average, Sum):
-        return collective_function(forward, lambda g: comm.allreduce(g, reduce_op))(tensor)
+    def backward(g: Any) -> Any:  # Horovod's: the same allreduce of the upstream gradient
+        return reduce_tensor(comm, g, reduce_op, None, None, prescale_factor, postscale_factor)
+
+    if tensor.requires_grad:
+        return collective_function(forward, backward)(tensor)
     return forward(tensor)
+
+
+def allgather(tensor: Any, name: str | None = None, process_set: Any = None) -> Any:
+    """Concatenate every rank's ``tensor`` along the first dimension (sizes may differ).
+
+    Differentiable as in Horovod: the gradient is the average of the upstream gradients
+    over the ranks, sliced to this rank's rows.
+    """
+    if not tensor.requires_grad:
+        return _F.allgather(tensor, name, process_set)
+    comm = _F.comm(process_set)
+    rows = int(tensor.shape[0]) if tensor.dim() else 0
+
+    def backward(g: Any) -> Any:
+        counts = comm.allgather_object(rows)
+        start = sum(counts[: comm.rank])
+        return comm.allreduce(g, Average)[start : start + rows]
+
+    return collective_function(lambda t: _F.allgather(t, name, process_set), backward)(tensor)
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None, process_set: Any = None) -> Any:
+    """Return ``root_rank``'s tensor on every rank (a global rank, also with a ``ProcessSet``).
+
+    Differentiable as in Horovod: the root gets the average of the upstream gradients,
+    the other ranks zero.
+    """
+    if not tensor.requires_grad:
+        return _F.broadcast(tensor, root_rank, name, process_set)
+    comm, root = _F.target(process_set, root_rank)
+
+    def backward(g: Any) -> Any:
+        avg = comm.allreduce(g, Average)
+        return avg if comm.rank == root else avg * 0
+
+    return collective_function(lambda t: _F.broadcast(t, root_rank, name, process_set),
+                               backward)(tensor)
+
+
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
+             process_set: Any = None) -> Any:
+    """Horovod's ``alltoall``: the received tensor, plus the received splits (an int32
+    tensor) when ``splits`` is given; without ``splits`` the first dimension is split
+    evenly. Differentiable: the gradient goes back by the reverse alltoall."""
+    if not tensor.requires_grad:
+        return _F.alltoall(tensor, splits, name, process_set)
+    comm = _F.comm(process_set)
+    received: list[Any] = []
+
+    def forward(t: Any) -> Any:
+        out = _F.alltoall(t, splits, name, process_set)
+        if splits is None:
+            return out
+        received.append(out[1])
+        return out[0]
+
+    def backward(g: Any) -> Any:
+        back = None if splits is None else [int(v) for v in received[0]]
+        return comm.alltoall(g, back)[0]  # type: ignore[attr-defined]
+
+    out = collective_function(forward, backward)(tensor)
+    return out if splits is None else (out, received[0])
+
+
+def reducescatter(tensor: Any, name: str | None = None, op: str = Average,
+                  process_set: Any = None, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> Any:
+    """Reduce over the ranks and keep this rank's rows (the first ``rows % size`` ranks
+    get one extra). Differentiable as in Horovod: the upstream gradients, scaled by the
+    factors (and by the group size for ``Sum``), are allgathered."""
+    def forward(t: Any) -> Any:
+        return _F.reducescatter(t, name, op, process_set, prescale_factor, postscale_factor)
+
+    if not tensor.requires_grad:
+        return forward(tensor)
+    comm = _F.comm(process_set)
+
+    def backward(g: Any) -> Any:
+        factor = (comm.size if op == Sum else 1) * prescale_factor * postscale_factor
+        return comm.allgather(g * factor if factor != 1 else g)
+
+    return collective_function(forward, backward)(tensor)
 
 
 def allreduce_(tensor: Any, average: bool | None = None, name: str | None = None,
@@ -117,11 +202,6 @@ def grouped_allreduce_(tensors: Any, average: bool | None = None, name: str | No
     for t, o in zip(tensors, outs):
         t.data.copy_(o)
     return tensors
-
-
-def broadcast(tensor: Any, root_rank: int, name: str | None = None, process_set: Any = None) -> Any:
-    """Return ``root_rank``'s tensor on every rank (a global rank, also with a ``ProcessSet``)."""
-    return _F.broadcast(tensor, root_rank, name, process_set)
 
 
 def broadcast_(tensor: Any, root_rank: int, name: str | None = None,

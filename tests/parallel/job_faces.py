@@ -462,3 +462,43 @@ def test_grouped_forms_and_scale_factors():
     assert ti.dtype == tf.int32 and ti.numpy().tolist() == [3 * n, 5 * n]
     tg = htf.grouped_allgather([tf.ones([1]), tf.ones([2])])
     assert [int(t.shape[0]) for t in tg] == [n, 2 * n]
+
+
+def _autograd_grads(lib) -> dict[str, list[float]]:
+    """Gradients through allreduce, allgather, broadcast, alltoall and reducescatter of ``lib``."""
+    r, n = lib.rank(), lib.size()
+    grads = {}
+    w = torch.ones(2, requires_grad=True)
+    lib.allreduce(w * 1, op=lib.Sum, prescale_factor=2.0).mul(r + 1).sum().backward()
+    grads["allreduce"] = w.grad.tolist()
+    w = torch.ones(r + 1, requires_grad=True)  # ragged rows
+    lib.allgather(w * 1).mul(r + 1).sum().backward()
+    grads["allgather"] = w.grad.tolist()
+    w = torch.ones(2, requires_grad=True)
+    lib.broadcast(w * 1, root_rank=n - 1).mul(r + 1).sum().backward()
+    grads["broadcast"] = w.grad.tolist()
+    w = torch.arange(float(n), requires_grad=True)
+    out, _ = lib.alltoall(w * 1, splits=torch.ones(n, dtype=torch.int32))
+    out.mul(r + 1).sum().backward()
+    grads["alltoall"] = w.grad.tolist()
+    w = torch.ones(2 * n, requires_grad=True)
+    lib.reducescatter(w * 1, op=lib.Sum).mul(r + 1).sum().backward()
+    grads["reducescatter"] = w.grad.tolist()
+    return grads
+
+
+def test_torch_collectives_are_differentiable_as_in_horovod():
+    r, n = hvd.rank(), hvd.size()
+    mean = (n + 1) / 2  # the average of the upstream gradients (r + 1)
+    expected = {
+        "allreduce": [2.0 * n * (n + 1) / 2] * 2,  # allreduce(Sum, prescale 2) of the upstream
+        "allgather": [mean] * (r + 1),
+        "broadcast": [mean if r == n - 1 else 0.0] * 2,
+        "alltoall": [float(q + 1) for q in range(n)],
+        "reducescatter": [float(n * (q + 1)) for q in range(n) for _ in (0, 1)],
+    }
+    assert _autograd_grads(hvd) == expected
+    if hvd.backend() == "horovod":  # real horovod.torch gives the same gradients
+        import horovod.torch as real
+
+        assert _autograd_grads(real) == expected
