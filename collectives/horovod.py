@@ -15,7 +15,7 @@ import concurrent.futures
 import contextlib
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -141,6 +141,12 @@ class HorovodCommunicator(CommunicatorBase):
 
             _mpi = MPICommunicator(check=check, timeout=timeout)
         self._mpi = _mpi
+        if _world is None and _mpi is None:
+            from .abort import install
+
+            # no MPI_Abort without MPI: a rank dying of an uncaught timeout or mismatch
+            # exits at once instead of hanging in Horovod's shutdown
+            install(mpi=False)
         if _set is None:
             self.local_rank, self.local_size = int(hvd.local_rank()), int(hvd.local_size())
             self.cross_rank, self.cross_size = int(hvd.cross_rank()), int(hvd.cross_size())
@@ -224,17 +230,57 @@ class HorovodCommunicator(CommunicatorBase):
             arr = arr.astype(bool if dtype == "bool" else dtype)
         return ops.from_numpy(np.ascontiguousarray(arr), like)
 
-    def _handle(self, started: Any, finish: Any) -> Handle:
-        """Wrap a torch Horovod handle (or an eager TensorFlow result)."""
+    def _start(self, fn: str, call: Call, finish: Callable[[Any], Any], *args: Any,
+               **kwargs: Any) -> Handle:
+        """Start the library's ``fn`` (allreduce, allgather, broadcast, alltoall,
+        reducescatter) and return a handle whose ``wait()`` is bounded by ``self.timeout``.
+
+        torch: Horovod's ``{fn}_async`` handle, polled. TensorFlow: eager ops run on the
+        one worker thread (in order), graph ops (inside ``tf.function``) are built here.
+
+        Args:
+            fn: the library function's name.
+            call: what this rank calls (named if the wait times out).
+            finish: turns the library's result into the caller's.
+            *args: the library function's positional arguments.
+            **kwargs: its keyword arguments (``name`` names the op in the timeout message).
+
+        Returns:
+            The handle.
+        """
+        hvd = self._hvd
+        what = f"{call.describe()} (Horovod op {kwargs.get('name')!r})"
         if self.framework == "torch":
-            hvd = self._hvd
+            started = getattr(hvd, f"{fn}_async")(*args, **kwargs)
             result: list[Any] = []
+            return Pending(lambda: hvd.poll(started),
+                           lambda: result.append(self._wait_torch(started, what)),
+                           lambda: finish(result[0]), started)
+        if any(self._w.ops.is_symbolic(a) for a in args[:1]):
+            return Done(finish(getattr(hvd, fn)(*args, **kwargs)))
+        future = self._w.worker().submit(getattr(hvd, fn), *args, **kwargs)
+        return Pending(future.done, lambda: self._wait_future(future, what),
+                       lambda: finish(future.result()), None)
 
-            def wait() -> None:
-                result.append(hvd.synchronize(started))
+    def _wait_torch(self, started: Any, what: str | None = None) -> Any:
+        """``hvd.synchronize(started)``, raising :class:`CollectiveTimeoutError` after
+        ``self.timeout`` seconds (Horovod's own wait has no timeout)."""
+        hvd = self._hvd
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while not hvd.poll(started):
+            spins += 1
+            if time.monotonic() > deadline:
+                raise self._timed_out(what)
+            time.sleep(min(1e-3, 1e-6 * spins))
+        return hvd.synchronize(started)
 
-            return Pending(lambda: hvd.poll(started), wait, lambda: finish(result[0]), started)
-        return Done(finish(started))
+    def _wait_future(self, future: concurrent.futures.Future[Any], what: str) -> None:
+        """Wait for an op running on the worker thread, at most ``self.timeout`` seconds."""
+        try:
+            future.result(timeout=self.timeout)
+        except concurrent.futures.TimeoutError:
+            raise self._timed_out(what) from None
 
     # -- raw primitives ------------------------------------------------------------------
     def _eager(self) -> contextlib.AbstractContextManager[Any]:
@@ -246,10 +292,15 @@ class HorovodCommunicator(CommunicatorBase):
 
         return tf.init_scope()
 
-    def _timed_out(self) -> CollectiveTimeoutError:
+    def _timed_out(self, what: str | None = None) -> CollectiveTimeoutError:
+        """The timeout error, naming ``what`` was waited for (default: the agreement
+        check of the last call checked)."""
+        if what is None:
+            what = ("the agreement check of " + self._call.describe() if self._call is not None
+                    else "a collective")
         return CollectiveTimeoutError(
-            f"{self!r}: waited {self.timeout:g}s for the other ranks to reach a collective; "
-            "some rank is dead, stuck or calling something else")
+            f"{self!r}: waited {self.timeout:g}s for the other ranks to reach {what}; "
+            "some rank is dead, stuck (or its host unreachable) or calling something else")
 
     def _raw_min(self, values: np.ndarray) -> np.ndarray:
         with self._eager():
@@ -261,12 +312,7 @@ class HorovodCommunicator(CommunicatorBase):
         lib, hvd = self._w.ops, self._hvd
         if self.framework == "torch":
             h = getattr(hvd, f"{fn}_async")(*args, **kwargs)
-            deadline = time.monotonic() + self.timeout
-            while not hvd.poll(h):
-                if time.monotonic() > deadline:
-                    raise self._timed_out()
-                time.sleep(1e-4)
-            return np.asarray(lib.to_numpy(hvd.synchronize(h)))
+            return np.asarray(lib.to_numpy(self._wait_torch(h)))
         # horovod.tensorflow has no handles: wait on a worker thread (one, so the
         # order of ops is kept even behind an op abandoned after a timeout)
         future = self._w.worker().submit(getattr(hvd, fn), *args, **kwargs)
@@ -317,16 +363,15 @@ class HorovodCommunicator(CommunicatorBase):
         self._validate_op(op, dtype)
         if self._host_graph(ops, tensor):
             return self._graph(ops, tensor, lambda a: self.allreduce(a, op, name)) or Done(None)
-        self._verify(Call("allreduce", ops.shape(tensor), dtype, op=op, name=name))
+        call = Call("allreduce", ops.shape(tensor), dtype, op=op, name=name)
+        self._verify(call)
         carry = _CARRY_REDUCE.get(dtype)
         if dtype == "float16" and op in ("min", "max", "product"):
             carry = "float32"
         hop = self._ops_map[_BOOL_OPS[op] if dtype == "bool" else op]
         t = self._native(ops, tensor, carry)
-        kw = {"name": self._name("allreduce", name), "op": hop, "process_set": self._set}
-        started = (self._hvd.allreduce_async(t, **kw) if self.framework == "torch"
-                   else self._hvd.allreduce(t, **kw))
-        return self._handle(started, lambda r: self._back(ops, r, tensor, dtype, carry))
+        return self._start("allreduce", call, lambda r: self._back(ops, r, tensor, dtype, carry),
+                           t, name=self._name("allreduce", name), op=hop, process_set=self._set)
 
     def grouped_allreduce(self, tensors: Sequence[Tensor], op: str = "average",
                           name: str | None = None) -> list[Tensor]:
@@ -341,13 +386,12 @@ class HorovodCommunicator(CommunicatorBase):
         shape = ops.shape(tensor)
         if not shape:
             raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
-        self._verify(Call("allgather", shape, dtype, name=name, ragged=True))
+        call = Call("allgather", shape, dtype, name=name, ragged=True)
+        self._verify(call)
         carry = _CARRY_MOVE.get(dtype)
         t = self._native(ops, tensor, carry)
-        kw = {"name": self._name("allgather", name), "process_set": self._set}
-        started = (self._hvd.allgather_async(t, **kw) if self.framework == "torch"
-                   else self._hvd.allgather(t, **kw))
-        return self._handle(started, lambda r: self._back(ops, r, tensor, dtype, carry))
+        return self._start("allgather", call, lambda r: self._back(ops, r, tensor, dtype, carry),
+                           t, name=self._name("allgather", name), process_set=self._set)
 
     def broadcast_async(self, tensor: Tensor, root: int = 0, name: str | None = None) -> Handle:
         ops = self._ops(tensor, "broadcast")
@@ -355,14 +399,13 @@ class HorovodCommunicator(CommunicatorBase):
         dtype = ops.dtype_name(tensor)
         if self._host_graph(ops, tensor):
             return self._graph(ops, tensor, lambda a: self.broadcast(a, root, name)) or Done(None)
-        self._verify(Call("broadcast", ops.shape(tensor), dtype, root=root, name=name))
+        call = Call("broadcast", ops.shape(tensor), dtype, root=root, name=name)
+        self._verify(call)
         carry = _CARRY_MOVE.get(dtype)
         t = self._native(ops, tensor, carry)
-        kw = {"name": self._name("broadcast", name), "process_set": self._set}
-        started = (self._hvd.broadcast_async(t, self._root(root), **kw)
-                   if self.framework == "torch"
-                   else self._hvd.broadcast(t, self._root(root), **kw))
-        return self._handle(started, lambda r: self._back(ops, r, tensor, dtype, carry))
+        return self._start("broadcast", call, lambda r: self._back(ops, r, tensor, dtype, carry),
+                           t, self._root(root), name=self._name("broadcast", name),
+                           process_set=self._set)
 
     def alltoall(self, tensor: Tensor, splits: Sequence[int] | None = None,
                  name: str | None = None) -> tuple[Tensor, list[int]]:
@@ -376,12 +419,14 @@ class HorovodCommunicator(CommunicatorBase):
         if not shape:
             raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
         send = check_splits(splits, shape[0], self.size)
-        self._verify(Call("alltoall", shape, dtype, name=name, ragged=True))
+        call = Call("alltoall", shape, dtype, name=name, ragged=True)
+        self._verify(call)
         carry = _CARRY_MOVE.get(dtype)
         t = self._native(ops, tensor, carry)
         lib_splits = _from_numpy(self._w.ops, np.array(send, dtype=np.int32))
-        out, received = self._hvd.alltoall(t, splits=lib_splits, name=self._name("alltoall", name),
-                                           process_set=self._set)
+        out, received = self._start("alltoall", call, lambda r: r, t, splits=lib_splits,
+                                    name=self._name("alltoall", name),
+                                    process_set=self._set).wait()
         if ops.is_symbolic(tensor):  # inside tf.function, with horovod.tensorflow
             return self._back(ops, out, tensor, dtype, carry), received
         recv = [int(r) for r in np.asarray(self._w.ops.to_numpy(received)).reshape(-1)]
@@ -400,11 +445,13 @@ class HorovodCommunicator(CommunicatorBase):
         shape = ops.shape(tensor)
         if not shape:
             raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
-        self._verify(Call("reducescatter", shape, dtype, op=op, name=name))
+        call = Call("reducescatter", shape, dtype, op=op, name=name)
+        self._verify(call)
         carry = _CARRY_REDUCE.get(dtype)
         t = self._native(ops, tensor, carry)
-        out = self._hvd.reducescatter(t, name=self._name("reducescatter", name), op=self._ops_map[op],
-                                      process_set=self._set)
+        out = self._start("reducescatter", call, lambda r: r, t,
+                          name=self._name("reducescatter", name), op=self._ops_map[op],
+                          process_set=self._set).wait()
         return self._back(ops, out, tensor, dtype, carry)
 
     def barrier(self) -> None:
