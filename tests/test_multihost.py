@@ -18,7 +18,11 @@ Launches (each one job under ``--timeout``/``mpirun --timeout`` and a harness ki
   rank then reports its host and the world communicator's coordinates;
 * native ``torch.distributed`` (gloo) and ``tf.distribute.MultiWorkerMirroredStrategy``
   initialised from :func:`plait.launch.context.export_framework_env`;
-* a rank killed with SIGKILL and a link unplugged mid-job.
+* a rank killed with SIGKILL and a link unplugged mid-job: during an allreduce loop under
+  ``plait run --timeout``, and during torch data-parallel training through
+  ``plait.torch.DistributedOptimizer`` (fused asynchronous buckets) under ``plait run``
+  without ``--timeout``, on each backend: the job must end by itself within
+  ``PLAIT_TIMEOUT`` + 30 s.
 """
 
 from __future__ import annotations
@@ -44,6 +48,10 @@ JOB_S = 300  # plait run / mpirun --timeout of a normal job (generous: 2 shared 
 KILLED_RANK_S = 30  # a killed rank ends the job within this (its PLAIT_TIMEOUT is 60)
 LINK_MARGIN_S = 10  # a dead link: --timeout + kill grace + this
 LINK_JOB_S = 30  # plait run --timeout of the dead-link job (its PLAIT_TIMEOUT is 4)
+#: PLAIT_TIMEOUT of the dead-link training jobs, which run without --timeout: shorter than the
+#: 10 to 15 s in which Open MPI's keepalive (plait run's KEEPALIVE_MCA) notices the lost host,
+#: so that the survivors' CollectiveTimeoutError comes first
+TRAIN_TIMEOUT_S = 3
 HARD_S = 360  # harness kill of a normal job (kills its whole process group)
 VENV_BIN = str(Path(sys.executable).parent)
 MULTIHOST_JOB = str(ROOT / "tests" / "parallel" / "job_multihost.py")
@@ -221,18 +229,51 @@ while True:
 """
 
 
-def fail_mid_job(hosts: EmulatedHosts, tmp_path: Path, job_timeout: int, action: str,
-                 extra_env: dict[str, str]) -> tuple[int | None, str, float]:
-    """Start the allreduce loop on every host, then break it; return (status, stderr, seconds).
+# Horovod-style torch training (fused asynchronous buckets); every rank records its pid once
+# training is under way, then trains until the job ends.
+DP_TRAINING = """\
+import os, pathlib
+import torch
+import plait.torch as hvd
+hvd.init()
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
+opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
+                               named_parameters=model.named_parameters(), bucket_mb=0.05)
+hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
+step = 0
+while True:
+    opt.zero_grad()
+    torch.nn.functional.cross_entropy(model(x), y).backward()
+    opt.step()
+    step += 1
+    if step == 3:
+        pathlib.Path(os.environ["PLAIT_TEST_REPORT_DIR"], f"pid-{hvd.rank()}").write_text(
+            str(os.getpid()))
+"""
+
+
+def fail_mid_job(hosts: EmulatedHosts, tmp_path: Path, job_timeout: int | None, action: str,
+                 extra_env: dict[str, str], program: str = ALLREDUCE_LOOP, backend: str = "mpi",
+                 wait_s: float | None = None) -> tuple[int | None, str, float]:
+    """Start ``program`` on every host, then break it; return (status, stderr, seconds).
 
     ``action`` is ``"kill"`` (SIGKILL rank 1's process, on the second host) or ``"link"``
-    (unplug the second host). The status is ``None`` if the job had to be killed by the
-    harness (a hang).
+    (unplug the second host). ``job_timeout`` is plait run's ``--timeout`` (``None``: none).
+    The harness waits ``wait_s`` s after the failure (default ``job_timeout`` + 30); the
+    status is ``None`` if the job had to be killed by the harness (a hang).
     """
     report_dir = tmp_path / "reports"
     report_dir.mkdir()
-    argv = [*launcher_argv(hosts, "plait", "mpi"), sys.executable, "-c", ALLREDUCE_LOOP]
-    argv[argv.index("--timeout") + 1] = str(job_timeout)
+    argv = [*launcher_argv(hosts, "plait", backend), sys.executable, "-c", program]
+    at = argv.index("--timeout")
+    if job_timeout is None:
+        del argv[at:at + 2]
+    else:
+        argv[at + 1] = str(job_timeout)
+    if wait_s is None:
+        wait_s = float(job_timeout or JOB_S) + 30
     env = {**job_env(hosts, hosts.slots, report_dir), **extra_env}
     pids = [report_dir / f"pid-{r}" for r in range(len(hosts.hosts) * hosts.slots)]
     status: int | None = None
@@ -251,7 +292,7 @@ def fail_mid_job(hosts: EmulatedHosts, tmp_path: Path, job_timeout: int, action:
             else:
                 hosts.link_down(hosts.hosts[1])
             try:
-                status = proc.wait(timeout=job_timeout + 30)
+                status = proc.wait(timeout=wait_s)
             except subprocess.TimeoutExpired:
                 status = None
             elapsed = time.monotonic() - broken
@@ -277,19 +318,43 @@ def test_killed_rank_ends_the_job_naming_it(two_hosts: EmulatedHosts, tmp_path: 
     assert "rank 1" in stderr and two_hosts.hosts[1] in stderr and "signal 9" in stderr, stderr
 
 
-def test_downed_link_ends_the_job_with_a_collective_timeout(tmp_path: Path) -> None:
-    with EmulatedHosts(2) as hosts:  # its own hosts: the link goes down
-        status, stderr, elapsed = fail_mid_job(hosts, tmp_path, job_timeout=LINK_JOB_S, action="link",
-                                               extra_env={"PLAIT_TIMEOUT": "4"})
+@pytest.fixture(scope="module")
+def cut_hosts() -> Iterator[EmulatedHosts]:
+    """Two hosts of their own for the jobs whose link goes down (and up again)."""
+    with EmulatedHosts(2, slots=1) as hosts:
+        yield hosts
+
+
+def test_downed_link_ends_the_job_with_a_collective_timeout(cut_hosts: EmulatedHosts,
+                                                            tmp_path: Path) -> None:
+    status, stderr, elapsed = fail_mid_job(cut_hosts, tmp_path, job_timeout=LINK_JOB_S,
+                                           action="link", extra_env={"PLAIT_TIMEOUT": "4"})
     assert status is not None, "the job hung: the harness had to kill it"
     assert status != 0, stderr
     # at the latest plait run's --timeout (counted from the job's start, before the link went
     # down) plus its SIGTERM-to-SIGKILL grace, and a margin for 2 shared cores
     assert elapsed < LINK_JOB_S + KILL_GRACE_S + LINK_MARGIN_S, (elapsed, stderr)
     # the survivors give up after PLAIT_TIMEOUT and say why; Open MPI cannot then reach the
-    # cut-off host to end the job, so plait run's --timeout ends it (status 124)
+    # cut-off host to end the job, so plait run ends it (ABORT_GRACE_S after the abort)
     assert "CollectiveTimeoutError" in stderr and "waited 4s" in stderr, stderr
     assert "aborts the job" in stderr, stderr
+
+
+@pytest.mark.parametrize("backend", ["mpi", "horovod"])
+def test_downed_link_during_training_ends_the_job_without_a_job_timeout(
+        cut_hosts: EmulatedHosts, tmp_path: Path, backend: str) -> None:
+    """No --timeout: the survivor times out in an optimizer step, aborts, and plait run ends
+    mpirun (which cannot reach the cut-off host to finish the abort) by itself."""
+    limit = TRAIN_TIMEOUT_S + 30
+    status, stderr, elapsed = fail_mid_job(
+        cut_hosts, tmp_path, job_timeout=None, action="link", program=DP_TRAINING,
+        backend=backend, extra_env={"PLAIT_TIMEOUT": str(TRAIN_TIMEOUT_S)}, wait_s=limit + 30)
+    assert status is not None, "the job hung: the harness had to kill it"
+    assert status != 0, stderr
+    assert elapsed < limit, (elapsed, stderr)
+    # the message names the collective the survivor waited for
+    assert "CollectiveTimeoutError" in stderr and f"waited {TRAIN_TIMEOUT_S}s" in stderr, stderr
+    assert "allreduce(shape=" in stderr and "aborts the job" in stderr, stderr
 
 
 # torch.distributed (gloo) and MultiWorkerMirroredStrategy from the variables plait exports.
