@@ -275,8 +275,10 @@ class MPICommunicator(CommunicatorBase):
         return Pending(req.Test, lambda: self._poll(req, what), finish, keep)
 
     def _ring(self, buf: np.ndarray, counts: Sequence[int], phases: str, combine: Any,
-              finish: Callable[[], Any], keep: Any, what: str) -> Handle:
-        """Start a ring collective on the flat ``buf`` cut into segments of ``counts``."""
+              finish: Callable[[], Any], keep: Any, what: str,
+              src: np.ndarray | None = None) -> Handle:
+        """Start a ring collective into the flat ``buf`` (from the flat ``src``) cut into
+        segments of ``counts``."""
         self._ring_seq += 1
         tags = (self._ring_seq % self._tag_slots) * _MAX_CHUNKS
         chunk = max(1, self.tuning.chunk_bytes // max(1, buf.itemsize))
@@ -284,7 +286,8 @@ class MPICommunicator(CommunicatorBase):
         ring = Ring(buf, segments(counts), self.rank, self.size,
                     lambda b, dest, tag: comm.Isend([b, MPI.BYTE], dest, tag),
                     lambda b, source, tag: comm.Irecv([b, MPI.BYTE], source, tag),
-                    tags, chunk, combine, phases, _MAX_CHUNKS)
+                    MPI.Request.Testsome, tags, chunk, combine, phases, _MAX_CHUNKS,
+                    self.tuning.window, src)
         self._rings.append(ring)
 
         def test() -> bool:
@@ -328,7 +331,7 @@ class MPICommunicator(CommunicatorBase):
             out = parts[0].copy()
             combine = combiner(dtype, op)
             for r in range(1, self.size):
-                combine(out, parts[r])
+                combine(out, out, parts[r])
             return Done(ops.from_numpy(self._reduced(out.reshape(buf.shape), op, dtype), tensor))
         self._verify(call)
 
@@ -337,10 +340,10 @@ class MPICommunicator(CommunicatorBase):
 
         what = call.describe()
         if self.tuning.reduce_algorithm(buf.nbytes, dtype, self.cross_size) == "ring":
-            out = buf.reshape(-1).copy()
+            out = np.empty(buf.size, dtype=buf.dtype)
             counts = reducescatter_counts(out.size, self.size)
             return self._ring(out, counts, "allreduce", combiner(dtype, op), finish,
-                              (buf, tensor), what)
+                              (buf, tensor), what, buf.reshape(-1))
         out = np.empty_like(buf)
         mpi_op = _BOOL[op] if dtype == "bool" else _BUILTIN[op]
         req = self.comm.Iallreduce([buf, _MPI_TYPES[dtype]], [out, _MPI_TYPES[dtype]], mpi_op)
@@ -446,7 +449,7 @@ class MPICommunicator(CommunicatorBase):
         shape = (rows[self.rank],) + buf.shape[1:]
         if self.size > 1 and self.tuning.reduce_algorithm(buf.nbytes, dtype,
                                                           self.cross_size) == "ring":
-            flat = buf.reshape(-1).copy()
+            flat = np.empty(buf.size, dtype=buf.dtype)
             start = sum(rows[: self.rank]) * row
 
             def mine() -> Tensor:
@@ -454,7 +457,8 @@ class MPICommunicator(CommunicatorBase):
                 return ops.from_numpy(self._reduced(part, op, dtype), tensor)
 
             return self._ring(flat, [r * row for r in rows], "reducescatter",
-                              combiner(dtype, op), mine, (buf, tensor), call.describe())
+                              combiner(dtype, op), mine, (buf, tensor), call.describe(),
+                              buf.reshape(-1))
         out = np.empty(shape, dtype=buf.dtype)
         mpi_op = _BOOL[op] if dtype == "bool" else _BUILTIN[op]
         req = self.comm.Ireduce_scatter([buf, _MPI_TYPES[dtype]], [out, _MPI_TYPES[dtype]],

@@ -35,7 +35,9 @@ class Request(Protocol):
 
 
 Post = Callable[[np.ndarray, int, int], Request]
-Combine = Callable[[np.ndarray, np.ndarray], None]
+#: ``testsome(requests)``: indices of the completed ones (MPI's Testsome), or None.
+TestSome = Callable[[list[Any]], "list[int] | None"]
+Combine = Callable[[np.ndarray, np.ndarray, np.ndarray], None]
 
 _NP = {"sum": np.add, "average": np.add, "min": np.minimum, "max": np.maximum,
        "product": np.multiply}
@@ -44,25 +46,25 @@ _BOOL = {"sum": np.logical_or, "max": np.logical_or, "min": np.logical_and,
 
 
 def combiner(dtype: str, op: str) -> Combine:
-    """``combine(acc, incoming)``: reduce ``incoming`` into ``acc`` in place.
+    """``combine(out, a, b)``: ``out = a (op) b`` element-wise (``out`` may be ``a``).
 
     Args:
         dtype: plait dtype name (bfloat16 buffers hold uint16 bit patterns).
         op: "sum", "average" (summed here, divided by the caller), "min", "max", "product".
 
     Returns:
-        The in-place reduction.
+        The reduction.
     """
     fn: Any = _BOOL[op] if dtype == "bool" else _NP[op]
     if dtype == "bfloat16":
         from plait.adapters.numpy import bf16_to_f32, f32_to_bf16
 
-        def reduce_bf16(acc: np.ndarray, inc: np.ndarray) -> None:
-            acc[...] = f32_to_bf16(fn(bf16_to_f32(acc), bf16_to_f32(inc)))
+        def reduce_bf16(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+            out[...] = f32_to_bf16(fn(bf16_to_f32(a), bf16_to_f32(b)))
         return reduce_bf16
 
-    def reduce_any(acc: np.ndarray, inc: np.ndarray) -> None:
-        fn(acc, inc, out=acc)
+    def reduce_any(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+        fn(a, b, out=out)
     return reduce_any
 
 
@@ -75,18 +77,25 @@ class Ring:
     """One ring collective in flight; :meth:`progress` drives it, never blocks.
 
     Args:
-        buf: the flat buffer, reduced (and gathered) in place.
+        buf: the flat output buffer (for "allgather": holding this rank's segment).
         offsets: ``size + 1`` element offsets of the segments (:func:`segments`).
         rank: this rank in the ring.
         size: ranks in the ring.
         isend: starts sending a buffer to a rank with a tag.
         irecv: starts receiving into a buffer from a rank with a tag.
+        testsome: which of a list of requests completed (one call polls them all).
         tags: the first of ``chunks`` consecutive tags this collective may use.
         chunk: elements per chunk (the pipelining grain).
         combine: the reduction (:func:`combiner`), used by the reduce-scatter steps.
         phases: "allreduce", "reducescatter" (each rank ends with its segment
             reduced) or "allgather" (each rank starts with its own segment).
         max_chunks: at most this many chunks (and tags); larger messages get larger chunks.
+        window: chunks whose first step is in flight at once; chunk ``j + window``
+            starts when chunk ``j`` finished its first step, so chunks arrive in order
+            and their reduction overlaps the transfer of later ones.
+        src: the flat input, read-only, for "allreduce"/"reducescatter" (default: ``buf``).
+            Every segment of ``buf`` is written once (by a reduction or a received
+            copy), so nothing is copied in advance.
 
     Attributes:
         complete: True once this rank's part is done (set by :meth:`progress`).
@@ -94,15 +103,17 @@ class Ring:
     """
 
     def __init__(self, buf: np.ndarray, offsets: np.ndarray, rank: int, size: int,
-                 isend: Post, irecv: Post, tags: int, chunk: int,
+                 isend: Post, irecv: Post, testsome: TestSome, tags: int, chunk: int,
                  combine: Combine | None = None, phases: str = "allreduce",
-                 max_chunks: int = 4096) -> None:
+                 max_chunks: int = 4096, window: int = 8,
+                 src: np.ndarray | None = None) -> None:
         self.buf, self.size, self.rank = buf, size, rank
-        self._isend, self._irecv = isend, irecv
+        self._src = buf if src is None else src
+        self._isend, self._irecv, self._testsome = isend, irecv, testsome
         self._combine = combine
         self._right, self._left = (rank + 1) % size, (rank - 1) % size
         self._reduce_steps = size - 1
-        first = size - 1 if phases == "allgather" else 0
+        self._first = size - 1 if phases == "allgather" else 0
         self._end = size - 1 if phases == "reducescatter" else 2 * size - 2
         longest = int(np.max(np.diff(offsets))) if size else 0
         self.chunks = max(1, min(max_chunks, -(-longest // max(1, chunk))))
@@ -111,66 +122,92 @@ class Ring:
         # chunk j of segment s is buf[bounds[s, j]:bounds[s, j + 1]]
         self._bounds = np.array([np.linspace(offsets[s], offsets[s + 1], self.chunks + 1)
                                  .astype(np.int64) for s in range(size)])
-        width = int(np.max(np.diff(self._bounds, axis=1))) if first < self._reduce_steps else 0
+        reduces = self._first < self._reduce_steps
+        width = int(np.max(np.diff(self._bounds, axis=1))) if reduces else 0
         self._scratch = [np.empty(width, dtype=buf.dtype) for _ in range(self.chunks)]
         self._tags = tags
-        self._step = [first] * self.chunks  # the step whose receive is posted (or due)
-        self._recv: list[Any] = [None] * self.chunks
-        self._sent: list[dict[int, Any]] = [{} for _ in range(self.chunks)]
-        self._live = self.chunks if first < self._end else 0
-        if self._live:
-            for j in range(self.chunks):
-                self._send(j, first)
-                self._post_recv(j)
+        self._step = [self._first] * self.chunks  # the step whose receive is posted (or due)
+        self._reqs: list[Any] = []  # every message in flight ...
+        self._what: list[tuple[bool, int, int]] = []  # ... as (is_recv, chunk, step)
+        self._sending: set[tuple[int, int]] = set()  # (chunk, step) of sends in flight
+        self._deferred: list[int] = []  # chunks whose receive waits for a send to finish
+        self._live = self.chunks if self._first < self._end else 0
+        self._started = 0
+        self._window = max(1, window)
+        while self._live and self._started < min(self._window, self.chunks):
+            self._start_chunk()
+        self.complete = self._live == 0
 
-    def _region(self, segment: int, j: int) -> np.ndarray:
+    def _region(self, segment: int, j: int, of: np.ndarray | None = None) -> np.ndarray:
         b = self._bounds[segment % self.size]
-        return self.buf[b[j] : b[j + 1]]
+        return (self.buf if of is None else of)[b[j] : b[j + 1]]
+
+    def _start_chunk(self) -> None:
+        j = self._started
+        self._started += 1
+        self._send(j, self._first)
+        self._post_recv(j)
 
     def _send(self, j: int, t: int) -> None:
-        self._sent[j][t] = self._isend(self._region(self.rank - t - 1, j), self._right,
-                                       self._tags + j)
+        from_src = t == self._first and self._first < self._reduce_steps
+        data = self._region(self.rank - t - 1, j, self._src if from_src else None)
+        self._reqs.append(self._isend(data, self._right, self._tags + j))
+        self._what.append((False, j, t))
+        if not from_src or self._src is self.buf:
+            self._sending.add((j, t))  # reads buf: a later receive into it must wait
 
     def _post_recv(self, j: int) -> bool:
         """Post chunk ``j``'s receive of its current step, unless the region it lands
-        in is still being sent (allgather steps receive in place)."""
+        in is still being sent (allgather steps receive in place): then defer it."""
         t = self._step[j]
         region = self._region(self.rank - t - 2, j)
         if t < self._reduce_steps:
             target = self._scratch[j][: region.size]
+        elif (j, t + 1 - self.size) in self._sending:  # the send that read this region
+            self._deferred.append(j)
+            return False
         else:
-            earlier = self._sent[j].get(t + 1 - self.size)  # the send that read this region
-            if earlier is not None and not earlier.Test():
-                return False
             target = region
-        self._recv[j] = self._irecv(target, self._left, self._tags + j)
+        self._reqs.append(self._irecv(target, self._left, self._tags + j))
+        self._what.append((True, j, t))
         return True
 
+    def _arrived(self, j: int, t: int) -> None:
+        if t < self._reduce_steps and self._combine is not None:
+            segment = self.rank - t - 2
+            region = self._region(segment, j)
+            self._combine(region, self._region(segment, j, self._src),
+                          self._scratch[j][: region.size])
+        self._step[j] = t + 1
+        self.moved += 1
+        if t + 1 < self._end:
+            self._send(j, t + 1)
+            self._post_recv(j)
+        else:
+            self._live -= 1
+        if t == self._first and self._started < self.chunks:
+            self._start_chunk()
+
     def progress(self) -> bool:
-        """Advance every chunk as far as its messages allow.
+        """Advance every chunk as far as its messages allow (one ``testsome`` call).
 
         Returns:
             True when this rank's part of the collective is complete.
         """
-        for j in range(self.chunks):
-            while self._step[j] < self._end:
-                if self._recv[j] is None and not self._post_recv(j):
-                    break
-                if not self._recv[j].Test():
-                    break
-                t = self._step[j]
-                if t < self._reduce_steps and self._combine is not None:
-                    region = self._region(self.rank - t - 2, j)
-                    self._combine(region, self._scratch[j][: region.size])
-                self._recv[j] = None
-                self._step[j] = t + 1
-                self.moved += 1
-                if t + 1 < self._end:
-                    self._send(j, t + 1)
-                else:
-                    self._live -= 1
-            sent = self._sent[j]
-            for t in [t for t, r in sent.items() if r.Test()]:
-                del sent[t]
-        self.complete = self._live == 0 and not any(self._sent)
+        if self._reqs:
+            done = self._testsome(self._reqs)
+            if done:
+                finished = set(done)
+                what = [self._what[i] for i in sorted(finished)]
+                self._reqs = [r for i, r in enumerate(self._reqs) if i not in finished]
+                self._what = [w for i, w in enumerate(self._what) if i not in finished]
+                self._sending.difference_update((j, t) for is_recv, j, t in what if not is_recv)
+                if self._deferred:
+                    waiting, self._deferred = self._deferred, []
+                    for j in waiting:
+                        self._post_recv(j)
+                for is_recv, j, t in what:
+                    if is_recv:
+                        self._arrived(j, t)
+        self.complete = self._live == 0 and not self._reqs and not self._deferred
         return self.complete

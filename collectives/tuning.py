@@ -10,7 +10,8 @@ message size, the dtype and the host layout, overridable by environment variable
 * ``ring``: plait's ring whenever a message is larger than the agreement check's
   payload slot; ``mpi``: Open MPI's collective (16-bit floats still take the ring).
 
-``PLAIT_RING_CHUNK_KB`` is the ring's pipelining grain (default 256 KiB);
+``PLAIT_RING_CHUNK_KB`` is the ring's pipelining grain (default 256 KiB),
+``PLAIT_RING_WINDOW`` the chunks whose first step is in flight at once (default 8);
 ``PLAIT_RING_MIN_KB`` the smallest message that takes the ring across hosts
 (default 64 KiB). ``PLAIT_ALLGATHER`` (``auto``/``ring``/``mpi``) does the same for
 allgather. Every rank must use the same settings (``plait run`` forwards ``PLAIT_*``).
@@ -61,24 +62,27 @@ class Tuning:
         allgather: "auto", "ring" or "mpi".
         chunk_bytes: the ring's pipelining grain.
         ring_min_bytes: the smallest message that takes the ring across hosts under "auto".
+        window: the ring's chunks in flight at once (see :class:`~plait.collectives.ring.Ring`).
     """
 
     allreduce: str = "auto"
     allgather: str = "auto"
     chunk_bytes: int = 256 * 1024
     ring_min_bytes: int = 64 * 1024
+    window: int = 8
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Tuning:
-        """Read ``PLAIT_ALLREDUCE``, ``PLAIT_ALLGATHER``, ``PLAIT_RING_CHUNK_KB`` and
-        ``PLAIT_RING_MIN_KB``.
+        """Read ``PLAIT_ALLREDUCE``, ``PLAIT_ALLGATHER``, ``PLAIT_RING_CHUNK_KB``,
+        ``PLAIT_RING_MIN_KB`` and ``PLAIT_RING_WINDOW``.
 
         Raises:
             ConfigError: for a value outside what the module doc lists.
         """
         env = os.environ if env is None else env
         return cls(_choice(env, "PLAIT_ALLREDUCE"), _choice(env, "PLAIT_ALLGATHER"),
-                   _kib(env, "PLAIT_RING_CHUNK_KB", 256), _kib(env, "PLAIT_RING_MIN_KB", 64))
+                   _kib(env, "PLAIT_RING_CHUNK_KB", 256), _kib(env, "PLAIT_RING_MIN_KB", 64),
+                   _kib(env, "PLAIT_RING_WINDOW", 8) // 1024)
 
     def reduce_algorithm(self, nbytes: int, dtype: str, hosts: int) -> str:
         """"ring" or "mpi" for an allreduce/reducescatter of ``nbytes`` over ``hosts`` hosts."""
@@ -97,4 +101,5 @@ class Tuning:
     def describe(self) -> str:
         """One line for ``plait info`` and the timeline."""
         return (f"allreduce={self.allreduce} allgather={self.allgather} "
-                f"ring_chunk={self.chunk_bytes // 1024}KiB ring_min={self.ring_min_bytes // 1024}KiB")
+                f"ring_chunk={self.chunk_bytes // 1024}KiB ring_min={self.ring_min_bytes // 1024}KiB "
+                f"ring_window={self.window}")
