@@ -94,6 +94,7 @@ class CommunicatorBase:
     local_size = 1
     cross_rank = 0
     cross_size = 1
+    homogeneous = True
 
     def __init__(self, *, check: bool = True, timeout: float = 300.0) -> None:
         if timeout <= 0:
@@ -262,6 +263,8 @@ class CommunicatorBase:
         peers = [r for r, h in enumerate(hosts) if h == mine]
         self.local_rank, self.local_size = peers.index(self.rank), len(peers)
         self.cross_rank, self.cross_size = order.index(mine), len(order)
+        #: every host runs the same number of ranks (a hierarchical layout is possible)
+        self.homogeneous = len({hosts.count(h) for h in order}) == 1
 
 
 def check_splits(splits: Sequence[int] | None, rows: int, size: int) -> list[int]:

@@ -33,7 +33,7 @@ from plait.protocols import Handle, Tensor
 
 from .base import CommunicatorBase, Done, Pending, check_splits, floating, reducescatter_counts
 from .check import Call, mismatch
-from .ring import Ring, combiner, segments
+from .ring import Chain, Ring, combiner, segments
 from .tuning import Tuning
 
 __all__ = ["SLOT", "SPIN_S", "MPICommunicator", "thread_level"]
@@ -100,12 +100,19 @@ class MPICommunicator(CommunicatorBase):
         self._ring_comm = self.comm.Dup()  # ring messages never meet user send/recv
         ub = int(self._ring_comm.Get_attr(MPI.TAG_UB) or 32767)
         self._tag_slots = max(1, ub // _MAX_CHUNKS)
-        self._rings: list[Ring] = []  # ring collectives in flight, in start order
+        self._rings: list[Ring | Chain] = []  # ring collectives in flight, in start order
         self._ring_seq = 0
         self._calls = 0  # bounded collective waits so far (the "#k" of the timeout report)
         self._asked = 0  # timeouts reported so far (the id of each "who is waiting?")
         self._answers: list[Any] = []  # answers in flight
         self._topology()
+        # the two levels of the hierarchical allreduce: this host's ranks, and the ranks
+        # with this local rank on every host (every rank decides alike: same host list)
+        self._local: Any = None
+        self._cross: Any = None
+        if self.cross_size > 1 and self.local_size > 1 and self.homogeneous:
+            self._local = self.comm.Split(self.cross_rank, self.rank)
+            self._cross = self.comm.Split(self.local_rank, self.rank)
 
     # -- waiting --------------------------------------------------------------------
     def _drive(self) -> bool:
@@ -274,30 +281,58 @@ class MPICommunicator(CommunicatorBase):
         """A handle whose ``wait()`` is bounded by the timeout, like every sync call."""
         return Pending(req.Test, lambda: self._poll(req, what), finish, keep)
 
-    def _ring(self, buf: np.ndarray, counts: Sequence[int], phases: str, combine: Any,
-              finish: Callable[[], Any], keep: Any, what: str,
-              src: np.ndarray | None = None) -> Handle:
-        """Start a ring collective into the flat ``buf`` (from the flat ``src``) cut into
-        segments of ``counts``."""
+    def _tags(self) -> int:
+        """The first tag of the next ring (the same on every rank: rings start in order)."""
         self._ring_seq += 1
-        tags = (self._ring_seq % self._tag_slots) * _MAX_CHUNKS
+        return (self._ring_seq % self._tag_slots) * _MAX_CHUNKS
+
+    def _new_ring(self, comm: Any, rank: int, size: int, buf: np.ndarray, counts: Sequence[int],
+                  phases: str, combine: Any, src: np.ndarray | None, tags: int) -> Ring:
         chunk = max(1, self.tuning.chunk_bytes // max(1, buf.itemsize))
-        comm = self._ring_comm
-        ring = Ring(buf, segments(counts), self.rank, self.size,
+        return Ring(buf, segments(counts), rank, size,
                     lambda b, dest, tag: comm.Isend([b, MPI.BYTE], dest, tag),
                     lambda b, source, tag: comm.Irecv([b, MPI.BYTE], source, tag),
                     MPI.Request.Testsome, tags, chunk, combine, phases, _MAX_CHUNKS,
                     self.tuning.window, src)
-        self._rings.append(ring)
+
+    def _ring(self, buf: np.ndarray, counts: Sequence[int], phases: str, combine: Any,
+              src: np.ndarray | None = None) -> Ring:
+        """A ring collective over the whole group into the flat ``buf`` (from the flat
+        ``src``) cut into segments of ``counts``."""
+        return self._new_ring(self._ring_comm, self.rank, self.size, buf, counts, phases,
+                              combine, src, self._tags())
+
+    def _hierarchical(self, out: np.ndarray, src: np.ndarray, combine: Any) -> Chain:
+        """Allreduce ``src`` into ``out`` (flat): reduce-scatter inside the host, a ring
+        between hosts on this rank's shard, allgather inside the host."""
+        local, cross = self.local_size, self.cross_size
+        counts = reducescatter_counts(out.size, local)
+        start = sum(counts[: self.local_rank])
+        shard = out[start : start + counts[self.local_rank]]
+        tags = [self._tags() for _ in range(3)]
+        return Chain([
+            lambda: self._new_ring(self._local, self.local_rank, local, out, counts,
+                                   "reducescatter", combine, src, tags[0]),
+            lambda: self._new_ring(self._cross, self.cross_rank, cross, shard,
+                                   reducescatter_counts(shard.size, cross), "allreduce", combine,
+                                   None, tags[1]),
+            lambda: self._new_ring(self._local, self.local_rank, local, out, counts, "allgather",
+                                   None, None, tags[2]),
+        ])
+
+    def _start(self, engine: Ring | Chain, finish: Callable[[], Any], keep: Any,
+               what: str) -> Handle:
+        """A handle over a ring (or chain of rings) that every wait and test drives."""
+        self._rings.append(engine)
 
         def test() -> bool:
             self._drive()
-            return ring.complete
+            return engine.complete
 
         def wait() -> None:
             self._calls += 1
             seq = self._calls
-            self._wait_until(lambda: ring.complete,
+            self._wait_until(lambda: engine.complete,
                              lambda: self._timeout_report(what, seq), seq)
 
         return Pending(test, wait, finish, keep)
@@ -339,11 +374,18 @@ class MPICommunicator(CommunicatorBase):
             return ops.from_numpy(self._reduced(out.reshape(buf.shape), op, dtype), tensor)
 
         what = call.describe()
-        if self.tuning.reduce_algorithm(buf.nbytes, dtype, self.cross_size) == "ring":
+        algorithm = self.tuning.reduce_algorithm(buf.nbytes, dtype, self.cross_size,
+                                                 self.local_size if self._local else 1)
+        if algorithm != "mpi":
             out = np.empty(buf.size, dtype=buf.dtype)
-            counts = reducescatter_counts(out.size, self.size)
-            return self._ring(out, counts, "allreduce", combiner(dtype, op), finish,
-                              (buf, tensor), what, buf.reshape(-1))
+            combine = combiner(dtype, op)
+            engine: Ring | Chain
+            if algorithm == "hierarchical":
+                engine = self._hierarchical(out, buf.reshape(-1), combine)
+            else:
+                engine = self._ring(out, reducescatter_counts(out.size, self.size), "allreduce",
+                                    combine, buf.reshape(-1))
+            return self._start(engine, finish, (buf, tensor), what)
         out = np.empty_like(buf)
         mpi_op = _BOOL[op] if dtype == "bool" else _BUILTIN[op]
         req = self.comm.Iallreduce([buf, _MPI_TYPES[dtype]], [out, _MPI_TYPES[dtype]], mpi_op)
@@ -367,8 +409,8 @@ class MPICommunicator(CommunicatorBase):
         if self.tuning.gather_algorithm(flat.size, self.cross_size) == "ring":
             start = int(counts[: self.rank].sum())
             flat[start : start + int(counts[self.rank])] = _flat_bytes(buf)
-            return self._ring(flat, counts, "allgather", None, lambda: ops.from_numpy(out, tensor),
-                              (buf, tensor), call.describe())
+            return self._start(self._ring(flat, counts, "allgather", None),
+                               lambda: ops.from_numpy(out, tensor), (buf, tensor), call.describe())
         req = self.comm.Iallgatherv(_flat_bytes(buf), [flat, counts, MPI.BYTE])
         return self._request(req, lambda: ops.from_numpy(out, tensor), (buf, tensor),
                              call.describe())
@@ -448,7 +490,7 @@ class MPICommunicator(CommunicatorBase):
         row = int(np.prod(buf.shape[1:], dtype=np.int64))
         shape = (rows[self.rank],) + buf.shape[1:]
         if self.size > 1 and self.tuning.reduce_algorithm(buf.nbytes, dtype,
-                                                          self.cross_size) == "ring":
+                                                          self.cross_size) != "mpi":
             flat = np.empty(buf.size, dtype=buf.dtype)
             start = sum(rows[: self.rank]) * row
 
@@ -456,9 +498,9 @@ class MPICommunicator(CommunicatorBase):
                 part = flat[start : start + rows[self.rank] * row].reshape(shape)
                 return ops.from_numpy(self._reduced(part, op, dtype), tensor)
 
-            return self._ring(flat, [r * row for r in rows], "reducescatter",
-                              combiner(dtype, op), mine, (buf, tensor), call.describe(),
+            ring = self._ring(flat, [r * row for r in rows], "reducescatter", combiner(dtype, op),
                               buf.reshape(-1))
+            return self._start(ring, mine, (buf, tensor), call.describe())
         out = np.empty(shape, dtype=buf.dtype)
         mpi_op = _BOOL[op] if dtype == "bool" else _BUILTIN[op]
         req = self.comm.Ireduce_scatter([buf, _MPI_TYPES[dtype]], [out, _MPI_TYPES[dtype]],

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["Request", "Ring", "combiner", "segments"]
+__all__ = ["Chain", "Request", "Ring", "combiner", "segments"]
 
 
 class Request(Protocol):
@@ -210,4 +210,44 @@ class Ring:
                     if is_recv:
                         self._arrived(j, t)
         self.complete = self._live == 0 and not self._reqs and not self._deferred
+        return self.complete
+
+
+class Chain:
+    """Rings run one after the other (the stages of a hierarchical allreduce); it
+    quacks like a :class:`Ring` (``progress``, ``complete``, ``moved``).
+
+    Args:
+        stages: each starts one stage (called when the previous one completed);
+            every tag a stage uses must be fixed before the chain starts, since
+            ranks reach later stages at different times.
+    """
+
+    def __init__(self, stages: Sequence[Callable[[], Ring]]) -> None:
+        self._stages = list(stages)
+        self.moved = 0
+        self._ring: Ring | None = None
+        self.complete = False
+        self._advance()
+
+    def _advance(self) -> None:
+        while self._ring is None or self._ring.complete:
+            if not self._stages:
+                self._ring, self.complete = None, True
+                return
+            self._ring = self._stages.pop(0)()
+
+    def progress(self) -> bool:
+        """Drive the current stage; start the next when it completes.
+
+        Returns:
+            True once the last stage completed.
+        """
+        while self._ring is not None:
+            before = self._ring.moved
+            done = self._ring.progress()
+            self.moved += self._ring.moved - before
+            if not done:
+                break
+            self._advance()
         return self.complete

@@ -4,11 +4,17 @@ message size, the dtype and the host layout, overridable by environment variable
 ``PLAIT_ALLREDUCE`` picks the allreduce (and reducescatter) algorithm:
 
 * ``auto`` (default): Open MPI's own collective between ranks of one host (shared
-  memory is fastest there), plait's pipelined ring across hosts from
-  ``PLAIT_RING_MIN_KB`` up, and the ring for float16/bfloat16 on any layout
-  (numpy reduces them; Open MPI has no 16-bit float reduction);
-* ``ring``: plait's ring whenever a message is larger than the agreement check's
-  payload slot; ``mpi``: Open MPI's collective (16-bit floats still take the ring).
+  memory is fastest there); across hosts from ``PLAIT_RING_MIN_KB`` up, plait's
+  pipelined ring, or with several ranks on every host the hierarchical allreduce
+  (reduce-scatter inside each host, one ring between hosts per local rank on its
+  shard, allgather inside each host: every byte crosses the host link once, where a
+  flat ring sends ``2 (n-1)/n`` of the tensor over each of its two host-crossing
+  edges); float16/bfloat16 always take a ring (numpy reduces them; Open MPI has no
+  16-bit float reduction);
+* ``ring``: the flat ring; ``hierarchical``: the hierarchical allreduce where the
+  layout allows it (several hosts, the same number of ranks on each), else the ring;
+  ``mpi``: Open MPI's collective (16-bit floats still take the ring). Reducescatter
+  takes the ring where allreduce would be hierarchical.
 
 ``PLAIT_RING_CHUNK_KB`` is the ring's pipelining grain (default 256 KiB),
 ``PLAIT_RING_WINDOW`` the chunks whose first step is in flight at once (default 8);
@@ -27,8 +33,8 @@ from plait.errors import invalid
 
 __all__ = ["ALGORITHMS", "HALF", "Tuning"]
 
-#: Values of PLAIT_ALLREDUCE / PLAIT_ALLGATHER.
-ALGORITHMS = ("auto", "ring", "mpi")
+#: Values of PLAIT_ALLREDUCE (PLAIT_ALLGATHER takes all but "hierarchical").
+ALGORITHMS = ("auto", "ring", "hierarchical", "mpi")
 #: dtypes Open MPI cannot reduce natively.
 HALF = ("float16", "bfloat16")
 
@@ -46,11 +52,20 @@ def _kib(env: Mapping[str, str], name: str, default: int) -> int:
     return value * 1024
 
 
-def _choice(env: Mapping[str, str], name: str) -> str:
+def _choice(env: Mapping[str, str], name: str, valid: tuple[str, ...]) -> str:
     raw = env.get(name, "") or "auto"
-    if raw not in ALGORITHMS:
-        raise invalid(name, raw, f"one of {list(ALGORITHMS)}")
+    if raw not in valid:
+        raise invalid(name, raw, f"one of {list(valid)}")
     return raw
+
+
+def _count(env: Mapping[str, str], name: str, default: int) -> int:
+    raw = env.get(name, "")
+    if raw == "":
+        return default
+    if not raw.isdigit() or int(raw) < 1:
+        raise invalid(name, raw, "a whole number >= 1")
+    return int(raw)
 
 
 @dataclass(frozen=True)
@@ -58,7 +73,7 @@ class Tuning:
     """The MPI backend's algorithm settings (see the module doc).
 
     Attributes:
-        allreduce: "auto", "ring" or "mpi".
+        allreduce: "auto", "ring", "hierarchical" or "mpi".
         allgather: "auto", "ring" or "mpi".
         chunk_bytes: the ring's pipelining grain.
         ring_min_bytes: the smallest message that takes the ring across hosts under "auto".
@@ -80,17 +95,28 @@ class Tuning:
             ConfigError: for a value outside what the module doc lists.
         """
         env = os.environ if env is None else env
-        return cls(_choice(env, "PLAIT_ALLREDUCE"), _choice(env, "PLAIT_ALLGATHER"),
+        return cls(_choice(env, "PLAIT_ALLREDUCE", ALGORITHMS),
+                   _choice(env, "PLAIT_ALLGATHER", ("auto", "ring", "mpi")),
                    _kib(env, "PLAIT_RING_CHUNK_KB", 256), _kib(env, "PLAIT_RING_MIN_KB", 64),
-                   _kib(env, "PLAIT_RING_WINDOW", 8) // 1024)
+                   _count(env, "PLAIT_RING_WINDOW", 8))
 
-    def reduce_algorithm(self, nbytes: int, dtype: str, hosts: int) -> str:
-        """"ring" or "mpi" for an allreduce/reducescatter of ``nbytes`` over ``hosts`` hosts."""
-        if dtype in HALF or self.allreduce == "ring":
+    def reduce_algorithm(self, nbytes: int, dtype: str, hosts: int, per_host: int = 1) -> str:
+        """"hierarchical", "ring" or "mpi" for an allreduce of ``nbytes``.
+
+        Args:
+            nbytes: the tensor's size in bytes.
+            dtype: its dtype name.
+            hosts: hosts in the group.
+            per_host: ranks on every host (1 when hosts run different numbers).
+        """
+        layered = hosts > 1 and per_host > 1
+        if self.allreduce == "hierarchical":
+            return "hierarchical" if layered else "ring"
+        if self.allreduce == "ring":
             return "ring"
-        if self.allreduce == "mpi":
-            return "mpi"
-        return "ring" if hosts > 1 and nbytes >= self.ring_min_bytes else "mpi"
+        if self.allreduce == "auto" and hosts > 1 and nbytes >= self.ring_min_bytes:
+            return "hierarchical" if layered else "ring"
+        return "ring" if dtype in HALF else "mpi"
 
     def gather_algorithm(self, nbytes: int, hosts: int) -> str:
         """"ring" or "mpi" for an allgather whose result has ``nbytes``."""

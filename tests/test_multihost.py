@@ -7,7 +7,8 @@ slots, are each brought up once per module.
 
 Launches (each one job under ``--timeout``/``mpirun --timeout`` and a harness kill):
 
-* the collectives job: ``tests/parallel/job_collectives.py`` restricted with ``-k``
+* the collectives job: ``tests/parallel/job_collectives.py`` (with ``job_ring.py``, the
+  MPI backend's ring and hierarchical algorithms, under MPI launchers) restricted with ``-k``
   (:data:`COLLECTIVES_K`: float32 allreduce with every op, allgather, broadcast,
   alltoall, reducescatter, send/recv, split, a shape mismatch and the missing-rank
   timeout, for numpy and torch tensors; not the TensorFlow flavours, whose cost is the
@@ -55,6 +56,7 @@ TRAIN_TIMEOUT_S = 3
 HARD_S = 360  # harness kill of a normal job (kills its whole process group)
 VENV_BIN = str(Path(sys.executable).parent)
 MULTIHOST_JOB = str(ROOT / "tests" / "parallel" / "job_multihost.py")
+RING_JOB = str(ROOT / "tests" / "parallel" / "job_ring.py")
 DIGITS = str(ROOT / "examples" / "torch_digits.py")
 DIGITS_EPOCHS = "8"
 #: The job_collectives.py tests that run across hosts (see the module docstring).
@@ -184,7 +186,9 @@ def test_job_across_hosts(request: pytest.FixtureRequest, tmp_path: Path, layout
     report_dir = tmp_path / "reports"
     report_dir.mkdir()
     if job == "collectives":
-        program = pytest_argv("job_collectives.py", MULTIHOST_JOB, "-k", COLLECTIVES_K)
+        # job_ring.py: plait's ring and hierarchical allreduce across the hosts (MPI only)
+        ring = [] if "gloo" in launcher else [RING_JOB]
+        program = pytest_argv("job_collectives.py", MULTIHOST_JOB, *ring, "-k", COLLECTIVES_K)
     else:
         program = [sys.executable, "-c", REPORTING_WRAPPER, DIGITS, "--backend", str(backend),
                    "--epochs", DIGITS_EPOCHS]

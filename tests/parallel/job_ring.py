@@ -34,17 +34,21 @@ def communicator(algorithm: str) -> MPICommunicator:
     return _COMMS[algorithm]
 
 
-@pytest.fixture(params=["ring", "mpi"], scope="module")
+@pytest.fixture(params=["ring", "hierarchical", "mpi"], scope="module")
 def comm(request: pytest.FixtureRequest) -> MPICommunicator:
     return communicator(request.param)
 
 
-def data(rank: int, dtype: str, n: int, op: str = "sum") -> np.ndarray:
-    """Rank-dependent values that stay exact-ish in every dtype (products small)."""
+def data(rank: int, dtype: str, n: int, op: str = "sum", size: int = 0) -> np.ndarray:
+    """Rank-dependent values that stay exact-ish in every dtype (a product is 2 at
+    most: one rank of ``size`` contributes the 2 of each element)."""
     i = np.arange(n)
     if dtype == "bool":
         return (i + rank) % 3 == 0
-    vals = ((i * 7 + rank) % 3 + 1) if op == "product" else ((i * 7 + rank * 3) % 11 + 1)
+    if op == "product":
+        vals = 1 + ((i * 7 + rank) % size == 0)
+    else:
+        vals = (i * 7 + rank * 3) % 11 + 1
     if dtype.startswith("float") or dtype == "bfloat16":
         return (vals * 0.25).astype(np.float64)
     return vals.astype(np.float64)
@@ -59,7 +63,7 @@ def as_dtype(a: np.ndarray, dtype: str) -> np.ndarray:
 
 
 def reference(op: str, dtype: str, size: int, n: int) -> np.ndarray:
-    stack = np.stack([data(r, dtype, n, op).astype(np.float64) for r in range(size)])
+    stack = np.stack([data(r, dtype, n, op, size).astype(np.float64) for r in range(size)])
     if dtype == "bool":
         return stack.any(0) if op in ("sum", "max") else stack.all(0)
     if op in ("sum", "average"):
@@ -86,7 +90,7 @@ def test_allreduce_every_dtype_op_and_odd_size(comm, op, dtype):
     if (op, dtype) == ("average", "bool"):
         return  # not a valid reduction (a ConfigError, tested in job_collectives)
     for n in SIZES:
-        x = as_dtype(data(comm.rank, dtype, n, op), dtype)
+        x = as_dtype(data(comm.rank, dtype, n, op, comm.size), dtype)
         out = comm.allreduce(x, op=op, name=f"ring.{op}.{dtype}.{n}")
         assert out.shape == (n,) and out.dtype == x.dtype
         close(out, reference(op, dtype, comm.size, n), dtype)
@@ -97,7 +101,7 @@ def test_allreduce_every_dtype_op_and_odd_size(comm, op, dtype):
 def test_reducescatter_uneven_rows_including_fewer_rows_than_ranks(comm, dtype):
     op = "max" if dtype == "bool" else "sum"
     for rows in [1, comm.size + 1, 1031]:
-        x = as_dtype(data(comm.rank, dtype, rows * 3, op).reshape(rows, 3), dtype)
+        x = as_dtype(data(comm.rank, dtype, rows * 3, op, comm.size).reshape(rows, 3), dtype)
         out = comm.reducescatter(x, op=op)
         counts = reducescatter_counts(rows, comm.size)
         start = sum(counts[: comm.rank])
