@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -411,6 +412,46 @@ class Face:
             PlaitError: before ``init``.
         """
         return _HOMOGENEOUS.get(id(runtime.world()), True)
+
+    def start_timeline(self, file_path: str, mark_cycles: bool = False) -> None:
+        """Horovod's dynamic timeline: on the Horovod backend, Horovod's own (it needs
+        ``HOROVOD_TIMELINE=DYNAMIC``, as in Horovod).
+
+        Raises:
+            NotImplementedError: on the MPI backend, whose timeline is set at start
+                (``PLAIT_TIMELINE=path.json`` or ``plait run --timeline``).
+        """
+        if self._backend_name() == "mpi":
+            raise NotImplementedError(
+                "start_timeline() on the MPI backend: plait's timeline is chosen at start; "
+                "set PLAIT_TIMELINE=path.json (or `plait run --timeline`) instead")
+        self._horovod().start_timeline(file_path, mark_cycles)
+
+    def stop_timeline(self) -> None:
+        """Stop Horovod's dynamic timeline (see :meth:`start_timeline`).
+
+        Raises:
+            NotImplementedError: on the MPI backend.
+        """
+        if self._backend_name() == "mpi":
+            raise NotImplementedError("stop_timeline() on the MPI backend: plait's timeline "
+                                      "runs for the whole job (PLAIT_TIMELINE)")
+        self._horovod().stop_timeline()
+
+    def join(self, device: int = -1) -> int:
+        """Horovod's ``join()``, for the case where every rank calls it: wait for all
+        ranks and return the rank that joined last.
+
+        Horovod also lets the other ranks go on with collectives while joined ranks
+        contribute zeros; plait does not: a rank calling another collective meanwhile
+        gets ``MismatchError`` on every rank (no hang). ``device`` has no effect.
+
+        Returns:
+            The global rank that called ``join`` last.
+        """
+        comm = runtime.world()
+        arrived = comm.allgather_object(time.time())
+        return max(range(len(arrived)), key=arrived.__getitem__)
 
     # -- collectives -------------------------------------------------------------------------
     def allreduce_async(self, tensor: Any, average: bool | None = None, name: str | None = None,

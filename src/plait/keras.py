@@ -34,9 +34,9 @@ __all__ = [
     "HorovodInternalError", "Max", "Min", "Product", "ProcessSet", "Sum", "add_process_set",
     "allgather", "allreduce", "backend", "broadcast", "broadcast_variables", "callbacks",
     "ccl_built", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled",
-    "init", "is_homogeneous", "is_initialized", "local_rank", "local_size", "mpi_built",
+    "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "mpi_built",
     "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "remove_process_set",
-    "rocm_built", "shutdown", "size",
+    "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline",
 ]
 
 _F = Face("tensorflow")
@@ -47,6 +47,7 @@ mpi_built, gloo_built, nccl_built, ccl_built = _F.mpi_built, _F.gloo_built, _F.n
 cuda_built, rocm_built, ddl_built, is_homogeneous = (_F.cuda_built, _F.rocm_built, _F.ddl_built,
                                                      _F.is_homogeneous)
 mpi_enabled, gloo_enabled = _F.mpi_enabled, _F.gloo_enabled
+join, start_timeline, stop_timeline = _F.join, _F.start_timeline, _F.stop_timeline
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name

@@ -36,9 +36,9 @@ __all__ = [
     "barrier", "broadcast", "broadcast_object", "broadcast_variables", "ccl_built", "cross_rank",
     "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled",
     "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "init", "is_homogeneous",
-    "is_initialized", "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_built",
+    "is_initialized", "join", "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_built",
     "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "rank_op", "reducescatter",
-    "remove_process_set", "rocm_built", "shutdown", "size", "size_op",
+    "remove_process_set", "rocm_built", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
 ]
 
 _F = Face("tensorflow")
@@ -50,6 +50,7 @@ mpi_built, gloo_built, nccl_built, ccl_built = _F.mpi_built, _F.gloo_built, _F.n
 cuda_built, rocm_built, ddl_built, is_homogeneous = (_F.cuda_built, _F.rocm_built, _F.ddl_built,
                                                      _F.is_homogeneous)
 mpi_enabled, gloo_enabled = _F.mpi_enabled, _F.gloo_enabled
+join, start_timeline, stop_timeline = _F.join, _F.start_timeline, _F.stop_timeline
 grouped_allreduce, allgather, broadcast = _F.grouped_allreduce, _F.allgather, _F.broadcast
 grouped_allgather, grouped_reducescatter = _F.grouped_allgather, _F.grouped_reducescatter
 alltoall, reducescatter, barrier = _F.alltoall, _F.reducescatter, _F.barrier

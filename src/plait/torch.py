@@ -40,10 +40,10 @@ __all__ = [
     "broadcast_", "broadcast_async", "broadcast_object", "broadcast_optimizer_state",
     "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
     "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
-    "grouped_allreduce_", "grouped_reducescatter", "init", "is_homogeneous", "is_initialized",
+    "grouped_allreduce_", "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join",
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
     "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "remove_process_set",
-    "rocm_built", "shutdown", "size", "synchronize",
+    "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline", "synchronize",
 ]
 
 _F = Face("torch")
@@ -55,6 +55,7 @@ mpi_built, gloo_built, nccl_built, ccl_built = _F.mpi_built, _F.gloo_built, _F.n
 cuda_built, rocm_built, ddl_built, is_homogeneous = (_F.cuda_built, _F.rocm_built, _F.ddl_built,
                                                      _F.is_homogeneous)
 mpi_enabled, gloo_enabled = _F.mpi_enabled, _F.gloo_enabled
+join, start_timeline, stop_timeline = _F.join, _F.start_timeline, _F.stop_timeline
 allreduce_async, grouped_allreduce = _F.allreduce_async, _F.grouped_allreduce
 allgather_async, broadcast_async = _F.allgather_async, _F.broadcast_async
 grouped_allgather, grouped_reducescatter = _F.grouped_allgather, _F.grouped_reducescatter

@@ -502,3 +502,21 @@ def test_torch_collectives_are_differentiable_as_in_horovod():
         import horovod.torch as real
 
         assert _autograd_grads(real) == expected
+
+
+def test_join_returns_the_last_rank_to_join_and_timeline_calls():
+    import time
+
+    n = hvd.size()
+    time.sleep(0.5 if hvd.rank() == n - 1 else 0.0)
+    assert hvd.join() == n - 1  # every rank joins; the slowest one was last
+    if hvd.backend() == "horovod":  # real Horovod answers the same
+        import horovod.torch as real
+
+        time.sleep(0.5 if real.rank() == 0 else 0.0)
+        assert real.join() == 0
+        with pytest.raises(ValueError, match="DYNAMIC"):  # Horovod's own rule, passed on
+            hvd.start_timeline("/tmp/never.json")
+    else:
+        with pytest.raises(NotImplementedError, match="PLAIT_TIMELINE"):
+            hvd.start_timeline("/tmp/never.json")
