@@ -26,12 +26,15 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     return out
 
 
+_NAMES: dict[np.dtype, str] = {}  # numpy's dtype.name is slow; collectives ask every call
+
+
 def _dtype_name(dt: np.dtype) -> str:
-    if dt.name == "bfloat16":
-        return "bfloat16"
-    if dt == np.bool_:
-        return "bool"
-    return str(dt.name)
+    name = _NAMES.get(dt)
+    if name is None:
+        name = "bool" if dt == np.bool_ else str(dt.name)
+        _NAMES[dt] = name
+    return name
 
 
 class NumpyOps:
@@ -53,10 +56,10 @@ class NumpyOps:
 
     def to_numpy(self, x: Any) -> np.ndarray:
         a = np.ascontiguousarray(x)
-        return a.view(np.uint16) if a.dtype.name == "bfloat16" else a
+        return a.view(np.uint16) if _dtype_name(a.dtype) == "bfloat16" else a
 
     def from_numpy(self, a: np.ndarray, like: Any) -> np.ndarray:
-        if np.asarray(like).dtype.name == "bfloat16" and a.dtype == np.uint16:
+        if a.dtype == np.uint16 and _dtype_name(np.asarray(like).dtype) == "bfloat16":
             return a.view(np.asarray(like).dtype)
         return a
 

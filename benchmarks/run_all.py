@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import BENCH_DIR, RESULTS, machine, mpi_env
 
 #: what `make bench` is expected to run (others found in benchmarks/ run too)
-EXPECTED = ["allreduce", "dp_step", "compression", "async_dp", "pipeline", "tensor"]
+EXPECTED = ["allreduce", "link", "dp_step", "compression", "async_dp", "pipeline", "tensor"]
 NOT_BENCHMARKS = {"run_all", "_common"}
 
 
@@ -122,6 +122,31 @@ def plot_bandwidth(data: dict[str, Any], out: Path) -> Path | None:
     return out
 
 
+def plot_link(data: dict[str, Any], out: Path) -> Path | None:
+    """Fraction of the link rate vs message size, one line per implementation and run."""
+    rows = [r for r in data.get("rows", []) if "link_fraction" in r]
+    if not rows:
+        return None
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for key in dict.fromkeys((r["impl"], r["rate"], r["np"]) for r in rows):
+        pts = sorted((r["bytes"], r["link_fraction"]) for r in rows
+                     if (r["impl"], r["rate"], r["np"]) == key)
+        xs = [p[0] for p in pts]
+        ax.plot(xs, [p[1]["median"] for p in pts], marker="o",
+                label=f"{key[0]} ({key[1]}, {key[2]} ranks)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("message size (bytes, float32)")
+    ax.set_ylabel("fraction of the link rate (median)")
+    ax.set_title("Allreduce across 2 emulated hosts")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 _TIME_KEYS = ("step_ms", "step_s", "time_ms", "time_s", "seconds", "step_time_s", "step_time_ms")
 
 
@@ -197,6 +222,13 @@ def _summary() -> list[str]:
         for r in small:
             lines.append(f"- allreduce {r['bytes']} B: {r['impl']} overhead vs {r['raw']} = "
                          f"{r['overhead_us']:+.0f} µs (target <= 20 µs)")
+    link = _load("link")
+    if link:
+        for r in link.get("rows", []):
+            if r["impl"] == "plait-mpi" and r["bytes"] >= 2**20:
+                lines.append(f"- link {r['rate']}, {r['np']} ranks, {r['bytes'] / 2**20:g} MiB: "
+                             f"plait-mpi at {r['link_fraction']['median']:.2f} of the link rate "
+                             "(target >= 0.95)")
     dp = _load("dp_step")
     if dp:
         for r in dp.get("ratios", []):
@@ -214,6 +246,7 @@ def write_report(path: Path, runs: list[dict[str, Any]], before: dict[str, Any],
     after = machine()
     plots = []
     for name, fn, png in (("allreduce", plot_bandwidth, "allreduce_busbw.png"),
+                          ("link", plot_link, "link_fraction.png"),
                           ("compression", plot_compressors, "compression_step_time.png"),
                           ("pipeline", plot_bubble, "pipeline_bubble.png")):
         data = _load(name)

@@ -348,6 +348,22 @@ class MPICommunicator(CommunicatorBase):
     def _reduced(self, out: np.ndarray, op: str, dtype: str) -> np.ndarray:
         return self._average(out, dtype) if op == "average" else out
 
+    def algorithm(self, kind: str, nbytes: int, dtype: str) -> str:
+        """How this communicator moves a collective of ``kind`` on ``nbytes`` of ``dtype``:
+        "header" (one round, inside the agreement check), "ring", "hierarchical" or "mpi"
+        (Open MPI's own); recorded in the timeline."""
+        if kind == "allreduce" and (nbytes <= SLOT or self.size == 1):
+            return "header"
+        if kind == "allreduce":
+            return self.tuning.reduce_algorithm(nbytes, dtype, self.cross_size,
+                                                self.local_size if self._local else 1)
+        if kind == "reducescatter" and self.size > 1:
+            return "mpi" if self.tuning.reduce_algorithm(
+                nbytes, dtype, self.cross_size) == "mpi" else "ring"
+        if kind == "allgather":
+            return self.tuning.gather_algorithm(nbytes * self.size, self.cross_size)
+        return "mpi"
+
     # -- collectives -----------------------------------------------------------------------------
     def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Handle:
         ops = self._ops(tensor, "allreduce")

@@ -355,6 +355,9 @@ class ObservedCommunicator:
         args.update({k: v for k, v in extra.items() if v is not None})
         if tensor is not None and self._rec is not None:
             args.update(_describe(tensor))
+            algorithm = getattr(self._inner, "algorithm", None)
+            if algorithm is not None and "bytes" in args:
+                args["algorithm"] = algorithm(kind, args["bytes"], args["dtype"])
         return _Op(self._rec, label, name or kind, args)
 
     def _sync(self, op: _Op, call: Callable[[], Any]) -> Any:

@@ -91,6 +91,18 @@ def test_allreduce_benchmark_has_every_row(tmp_path):
     assert data["meta"]["np"] == 2 and data["meta"]["machine"]["cores"] >= 1
 
 
+def test_link_benchmark_has_every_row(tmp_path: Path) -> None:
+    """The emulated-link benchmark: every implementation's row, with its spread."""
+    link = _module("link")
+    data = _run("link.py", tmp_path / "link")
+    got = {(r["impl"], r["bytes"], r["rate"], r["np"]) for r in data["rows"]}
+    assert got == {(i, s, "1gbit", 2) for i in link.IMPLS for s in link.SMOKE_SIZES}
+    for r in data["rows"]:
+        _has_stats(r["ms"], 2)
+        _has_stats(r["link_fraction"], 2)
+    assert "fraction of the link rate" in (tmp_path / "link.md").read_text()
+
+
 def test_dp_step_benchmark_has_every_row(tmp_path):
     data = _run("dp_step.py", tmp_path / "dp")
     got = {(r["framework"], r["model"], r["impl"]) for r in data["rows"]}

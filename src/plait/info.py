@@ -24,6 +24,7 @@ _PROBES = {
     "mpi4py": "import mpi4py; print(mpi4py.__version__)",
     "mpi library": "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].strip())",
     "mpi thread level": "from plait.collectives.mpi import thread_level; print(thread_level())",
+    "mpi algorithms": "from plait.collectives.tuning import Tuning; print(Tuning.from_env().describe())",
     "cuda-aware mpi": "from mpi4py import MPI; import subprocess; out = subprocess.run("
                       "['ompi_info', '--parsable', '--all'], capture_output=True, text=True).stdout; "
                       "print('yes' if 'mpi_built_with_cuda_support:value:true' in out else 'no')",
