@@ -1,0 +1,54 @@
+"""Every wait is bounded: the Horovod backend under horovodrun --gloo (no MPI), and a rank
+whose MPI_Abort never returns.
+
+One real 2-rank job (``tests/parallel/job_wait_bounded.py``): a torch Horovod handle whose
+peer is late raises ``CollectiveTimeoutError`` naming the collective, and an uncaught
+timeout ends the job by itself, non-zero, well before the launcher's own limit.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+
+import pytest
+from jobs import ROOT, run_job
+from plait.collectives.abort import ABORT_CODE
+
+JOB = str(ROOT / "tests" / "parallel" / "job_wait_bounded.py")
+LIMIT_S = 120  # the harness kills the job after this (rank 1 sleeps 600 s)
+
+
+@pytest.mark.timeout(LIMIT_S + 60)
+def test_horovod_handle_wait_and_uncaught_timeout_are_bounded() -> None:
+    pytest.importorskip("horovod.torch")
+    start = time.monotonic()
+    result = run_job("horovodrun-gloo", 2, [sys.executable, JOB], timeout=LIMIT_S)
+    elapsed = time.monotonic() - start
+    out = result.output
+    phase1 = re.search(r"phase 1: rank 0 timed out after ([\d.]+)s: (.*)", out)
+    assert phase1 is not None, result.tail()
+    assert float(phase1.group(1)) < 3.5, phase1.group(0)  # 1 s timeout, rank 1 came at 4 s
+    # the message names the collective: kind, shape, dtype, op and name
+    assert "allreduce(shape=(1000,), dtype=float32, op=sum, name='late')" in phase1.group(2), out
+    assert "waited 1s" in phase1.group(2), out
+    assert "phase 2: rank 0 starts" in out and "phase 2: rank 1 starts" in out, result.tail()
+    # the uncaught timeout ends the job by itself, not the harness
+    assert result.returncode not in (0, 124), result.tail()
+    assert "exits with status 3 after an uncaught CollectiveTimeoutError" in out, result.tail()
+    assert "name='never'" in out, result.tail()
+    assert elapsed < LIMIT_S - 30, (elapsed, result.tail())
+
+
+def test_aborting_rank_exits_by_itself_when_the_abort_blocks() -> None:
+    """The watchdog armed before MPI_Abort ends the rank (status 3) if the abort never
+    returns, as when mpirun cannot reach a host (here: the rank just sleeps)."""
+    code = ("import time\nfrom plait.collectives import abort\n"
+            "abort._exit_later(0.5)\ntime.sleep(60)\n")
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert proc.returncode == ABORT_CODE, proc.stderr
+    assert time.monotonic() - start < 20, proc.stderr
+    assert "did not end this rank within 0.5s" in proc.stderr, proc.stderr
