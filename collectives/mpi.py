@@ -33,7 +33,7 @@ from plait.protocols import Handle, Tensor
 
 from .base import CommunicatorBase, Done, Pending, check_splits, floating, reducescatter_counts
 from .check import Call, mismatch
-from .ring import Chain, Ring, combiner, segments
+from .ring import Chain, Exchange, Ring, combiner, segments
 from .tuning import Tuning
 
 __all__ = ["SLOT", "SPIN_S", "MPICommunicator", "thread_level"]
@@ -100,7 +100,7 @@ class MPICommunicator(CommunicatorBase):
         self._ring_comm = self.comm.Dup()  # ring messages never meet user send/recv
         ub = int(self._ring_comm.Get_attr(MPI.TAG_UB) or 32767)
         self._tag_slots = max(1, ub // _MAX_CHUNKS)
-        self._rings: list[Ring | Chain] = []  # ring collectives in flight, in start order
+        self._rings: list[Ring | Chain | Exchange] = []  # ring collectives in flight, in start order
         self._ring_seq = 0
         self._calls = 0  # bounded collective waits so far (the "#k" of the timeout report)
         self._asked = 0  # timeouts reported so far (the id of each "who is waiting?")
@@ -320,7 +320,7 @@ class MPICommunicator(CommunicatorBase):
                                    None, None, tags[2]),
         ])
 
-    def _start(self, engine: Ring | Chain, finish: Callable[[], Any], keep: Any,
+    def _start(self, engine: Ring | Chain | Exchange, finish: Callable[[], Any], keep: Any,
                what: str) -> Handle:
         """A handle over a ring (or chain of rings) that every wait and test drives."""
         self._rings.append(engine)
@@ -471,16 +471,21 @@ class MPICommunicator(CommunicatorBase):
             self._verify(call)
             recv = np.empty(self.size, dtype=np.int64)
             self._poll(self.comm.Ialltoall(send, recv), call.describe())
-        row = int(np.prod(buf.shape[1:], dtype=np.int64)) * buf.itemsize
         out = np.empty((int(recv.sum()),) + buf.shape[1:], dtype=buf.dtype)
-        sc, rc = send * row, recv * row
-        sd = np.concatenate([[0], np.cumsum(sc)[:-1]]).astype(np.int64)
-        rd = np.concatenate([[0], np.cumsum(rc)[:-1]]).astype(np.int64)
-        req = self.comm.Ialltoallv([_flat_bytes(buf), sc, sd, MPI.BYTE],
-                                   [_flat_bytes(out), rc, rd, MPI.BYTE])
-        return self._request(
-            req, lambda: (ops.from_numpy(out, tensor), [int(r) for r in recv]), (buf, tensor),
-            call.describe())
+        src, dst = _flat_bytes(buf), _flat_bytes(out)
+        row = int(np.prod(buf.shape[1:], dtype=np.int64)) * buf.itemsize
+        so, ro = segments(send * row), segments(recv * row)
+        # pairwise: every send and receive posted at once (this rank's own part copied)
+        dst[ro[self.rank] : ro[self.rank + 1]] = src[so[self.rank] : so[self.rank + 1]]
+        peers = [p for p in range(self.size) if p != self.rank]
+        comm = self._ring_comm
+        engine = Exchange([(src[so[p] : so[p + 1]], p) for p in peers],
+                          [(dst[ro[p] : ro[p + 1]], p) for p in peers],
+                          lambda b, dest, tag: comm.Isend([b, MPI.BYTE], dest, tag),
+                          lambda b, source, tag: comm.Irecv([b, MPI.BYTE], source, tag),
+                          MPI.Request.Testsome, self._tags())
+        return self._start(engine, lambda: (ops.from_numpy(out, tensor), [int(r) for r in recv]),
+                           (buf, tensor), call.describe())
 
     def alltoall(self, tensor: Tensor, splits: Sequence[int] | None = None,
                  name: str | None = None) -> tuple[Tensor, list[int]]:

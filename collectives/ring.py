@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["Chain", "Request", "Ring", "combiner", "segments"]
+__all__ = ["Chain", "Exchange", "Request", "Ring", "combiner", "segments"]
 
 
 class Request(Protocol):
@@ -250,4 +250,42 @@ class Chain:
             if not done:
                 break
             self._advance()
+        return self.complete
+
+
+class Exchange:
+    """Point-to-point messages posted all at once and completed together (a pairwise
+    alltoall keeps every link busy in both directions); it quacks like a :class:`Ring`.
+
+    Args:
+        sends: ``(buffer, dest)`` pairs; empty buffers are skipped.
+        recvs: ``(buffer, source)`` pairs; empty buffers are skipped.
+        isend: starts sending a buffer to a rank with a tag.
+        irecv: starts receiving into a buffer from a rank with a tag.
+        testsome: which of a list of requests completed.
+        tag: the tag of every message (one message per pair of ranks).
+    """
+
+    def __init__(self, sends: Sequence[tuple[np.ndarray, int]],
+                 recvs: Sequence[tuple[np.ndarray, int]], isend: Post, irecv: Post,
+                 testsome: TestSome, tag: int) -> None:
+        self._testsome = testsome
+        self._reqs: list[Any] = [irecv(b, r, tag) for b, r in recvs if b.size]
+        self._reqs += [isend(b, r, tag) for b, r in sends if b.size]
+        self.moved = 0
+        self.complete = not self._reqs
+
+    def progress(self) -> bool:
+        """Test every message once.
+
+        Returns:
+            True when every message of this rank completed.
+        """
+        if self._reqs:
+            done = self._testsome(self._reqs)
+            if done:
+                finished = set(done)
+                self._reqs = [r for i, r in enumerate(self._reqs) if i not in finished]
+                self.moved += len(finished)
+        self.complete = not self._reqs
         return self.complete

@@ -95,8 +95,9 @@ def test_link_benchmark_has_every_row(tmp_path: Path) -> None:
     """The emulated-link benchmark: every implementation's row, with its spread."""
     link = _module("link")
     data = _run("link.py", tmp_path / "link")
-    got = {(r["impl"], r["bytes"], r["rate"], r["np"]) for r in data["rows"]}
-    assert got == {(i, s, "1gbit", 2) for i in link.IMPLS for s in link.SMOKE_SIZES}
+    got = {(r["kind"], r["impl"], r["bytes"], r["rate"], r["np"]) for r in data["rows"]}
+    assert got == {(k, i, s, "1gbit", 2) for k in link.SMOKE_KINDS for i in link.IMPLS
+                   for s in link.SMOKE_SIZES if k == "allreduce" or not i.endswith("fp16")}
     for r in data["rows"]:
         _has_stats(r["ms"], 2)
         _has_stats(r["link_fraction"], 2)

@@ -137,3 +137,20 @@ def test_small_messages_travel_in_the_header(comm):
         np.testing.assert_allclose(out, np.full(n, (comm.size + 1) / 2), rtol=1e-6)
     b = comm.broadcast(np.arange(7, dtype=np.int16) * (comm.rank + 1), root=comm.size - 1)
     np.testing.assert_array_equal(b, np.arange(7, dtype=np.int16) * comm.size)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float64", "uint8", "bool"])
+def test_alltoall_pairwise_uneven_splits_with_empty_parts(comm, dtype):
+    for scale in [1, 301]:
+        # rank s sends (s + d) % 3 * scale rows to rank d: some parts are empty
+        splits = [(comm.rank + d) % 3 * scale for d in range(comm.size)]
+        x = as_dtype(data(comm.rank, dtype, sum(splits) * 2).reshape(-1, 2), dtype)
+        out, received = comm.alltoall(x, splits=splits)
+        assert received == [(s + comm.rank) % 3 * scale for s in range(comm.size)]
+        parts = []
+        for s in range(comm.size):
+            theirs = [(s + d) % 3 * scale for d in range(comm.size)]
+            start = sum(theirs[: comm.rank])
+            whole = data(s, dtype, sum(theirs) * 2).reshape(-1, 2)
+            parts.append(whole[start : start + theirs[comm.rank]])
+        close(out, np.concatenate(parts), dtype)
