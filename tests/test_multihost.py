@@ -19,11 +19,10 @@ Launches (each one job under ``--timeout``/``mpirun --timeout`` and a harness ki
   rank then reports its host and the world communicator's coordinates;
 * native ``torch.distributed`` (gloo) and ``tf.distribute.MultiWorkerMirroredStrategy``
   initialised from :func:`plait.launch.context.export_framework_env`;
-* a rank killed with SIGKILL and a link unplugged mid-job: during an allreduce loop under
-  ``plait run --timeout``, and during torch data-parallel training through
-  ``plait.torch.DistributedOptimizer`` (fused asynchronous buckets) under ``plait run``
-  without ``--timeout``, on each backend: the job must end by itself within
-  ``PLAIT_TIMEOUT`` + 30 s.
+* a rank killed with SIGKILL mid-job, and a link unplugged during torch data-parallel
+  training through ``plait.torch.DistributedOptimizer`` (fused asynchronous buckets) under
+  ``plait run`` without ``--timeout``, on each backend: the job must end by itself within
+  ``PLAIT_TIMEOUT`` + 30 s, with the survivor's ``CollectiveTimeoutError``.
 """
 
 from __future__ import annotations
@@ -40,19 +39,18 @@ from pathlib import Path
 import pytest
 from jobs import ROOT, pytest_argv
 
-from plait.launch.run import KILL_GRACE_S
 from plait.testing.netns import EmulatedHosts
 
 pytestmark = pytest.mark.timeout(600)
 
 JOB_S = 300  # plait run / mpirun --timeout of a normal job (generous: 2 shared cores)
 KILLED_RANK_S = 30  # a killed rank ends the job within this (its PLAIT_TIMEOUT is 60)
-LINK_MARGIN_S = 10  # a dead link: --timeout + kill grace + this
-LINK_JOB_S = 30  # plait run --timeout of the dead-link job (its PLAIT_TIMEOUT is 4)
-#: PLAIT_TIMEOUT of the dead-link training jobs, which run without --timeout: shorter than the
-#: 10 to 15 s in which Open MPI's keepalive (plait run's KEEPALIVE_MCA) notices the lost host,
-#: so that the survivors' CollectiveTimeoutError comes first
+#: PLAIT_TIMEOUT of the dead-link training jobs, which run without --timeout
 TRAIN_TIMEOUT_S = 3
+#: Their Open MPI keepalive starts after a minute: plait run's KEEPALIVE_MCA notices the lost
+#: host in 10 to 15 s and would end the job itself (with Open MPI's message) when the survivor
+#: is slow to time out on 2 busy cores; these tests check the path after the survivor's abort
+SLOW_KEEPALIVE = ("--mca", "oob_tcp_keepalive_time", "60")
 HARD_S = 360  # harness kill of a normal job (kills its whole process group)
 VENV_BIN = str(Path(sys.executable).parent)
 MULTIHOST_JOB = str(ROOT / "tests" / "parallel" / "job_multihost.py")
@@ -260,17 +258,20 @@ while True:
 
 def fail_mid_job(hosts: EmulatedHosts, tmp_path: Path, job_timeout: int | None, action: str,
                  extra_env: dict[str, str], program: str = ALLREDUCE_LOOP, backend: str = "mpi",
-                 wait_s: float | None = None) -> tuple[int | None, str, float]:
+                 wait_s: float | None = None, options: Sequence[str] = ()
+                 ) -> tuple[int | None, str, float]:
     """Start ``program`` on every host, then break it; return (status, stderr, seconds).
 
     ``action`` is ``"kill"`` (SIGKILL rank 1's process, on the second host) or ``"link"``
     (unplug the second host). ``job_timeout`` is plait run's ``--timeout`` (``None``: none).
     The harness waits ``wait_s`` s after the failure (default ``job_timeout`` + 30); the
-    status is ``None`` if the job had to be killed by the harness (a hang).
+    status is ``None`` if the job had to be killed by the harness (a hang). ``options`` are
+    more plait run options.
     """
     report_dir = tmp_path / "reports"
     report_dir.mkdir()
     argv = [*launcher_argv(hosts, "plait", backend), sys.executable, "-c", program]
+    argv[argv.index("--"):argv.index("--")] = options
     at = argv.index("--timeout")
     if job_timeout is None:
         del argv[at:at + 2]
@@ -322,26 +323,12 @@ def test_killed_rank_ends_the_job_naming_it(two_hosts: EmulatedHosts, tmp_path: 
     assert "rank 1" in stderr and two_hosts.hosts[1] in stderr and "signal 9" in stderr, stderr
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def cut_hosts() -> Iterator[EmulatedHosts]:
-    """Two hosts of their own for the jobs whose link goes down (and up again)."""
+    """Two fresh hosts for each job whose link goes down (half a second to set up): on
+    hosts reused after a downed link, the next link-down job once hung without a timeout."""
     with EmulatedHosts(2, slots=1) as hosts:
         yield hosts
-
-
-def test_downed_link_ends_the_job_with_a_collective_timeout(cut_hosts: EmulatedHosts,
-                                                            tmp_path: Path) -> None:
-    status, stderr, elapsed = fail_mid_job(cut_hosts, tmp_path, job_timeout=LINK_JOB_S,
-                                           action="link", extra_env={"PLAIT_TIMEOUT": "4"})
-    assert status is not None, "the job hung: the harness had to kill it"
-    assert status != 0, stderr
-    # at the latest plait run's --timeout (counted from the job's start, before the link went
-    # down) plus its SIGTERM-to-SIGKILL grace, and a margin for 2 shared cores
-    assert elapsed < LINK_JOB_S + KILL_GRACE_S + LINK_MARGIN_S, (elapsed, stderr)
-    # the survivors give up after PLAIT_TIMEOUT and say why; Open MPI cannot then reach the
-    # cut-off host to end the job, so plait run ends it (ABORT_GRACE_S after the abort)
-    assert "CollectiveTimeoutError" in stderr and "waited 4s" in stderr, stderr
-    assert "aborts the job" in stderr, stderr
 
 
 @pytest.mark.parametrize("backend", ["mpi", "horovod"])
@@ -352,7 +339,8 @@ def test_downed_link_during_training_ends_the_job_without_a_job_timeout(
     limit = TRAIN_TIMEOUT_S + 30
     status, stderr, elapsed = fail_mid_job(
         cut_hosts, tmp_path, job_timeout=None, action="link", program=DP_TRAINING,
-        backend=backend, extra_env={"PLAIT_TIMEOUT": str(TRAIN_TIMEOUT_S)}, wait_s=limit + 30)
+        backend=backend, extra_env={"PLAIT_TIMEOUT": str(TRAIN_TIMEOUT_S)}, wait_s=limit + 30,
+        options=SLOW_KEEPALIVE)
     assert status is not None, "the job hung: the harness had to kill it"
     assert status != 0, stderr
     assert elapsed < limit, (elapsed, stderr)

@@ -17,6 +17,9 @@ import pytest
 from jobs import ROOT, run_job
 from plait.collectives.abort import ABORT_CODE
 
+from plait.launch.command import build_command
+from plait.launch.run import KEEPALIVE_MCA, build_parser, spec_from_args
+
 JOB = str(ROOT / "tests" / "parallel" / "job_wait_bounded.py")
 LIMIT_S = 120  # the harness kills the job after this (rank 1 sleeps 600 s)
 
@@ -52,3 +55,21 @@ def test_aborting_rank_exits_by_itself_when_the_abort_blocks() -> None:
     assert proc.returncode == ABORT_CODE, proc.stderr
     assert time.monotonic() - start < 20, proc.stderr
     assert "did not end this rank within 0.5s" in proc.stderr, proc.stderr
+
+
+def test_plait_run_gives_mpirun_a_short_keepalive_unless_told_otherwise() -> None:
+    """A lost host is noticed in seconds (measured: 10 to 15 s after a link went down)."""
+
+    def mca(argv: list[str]) -> dict[str, str]:
+        return {argv[i + 1]: argv[i + 2] for i, a in enumerate(argv) if a == "--mca"}
+
+    spec = spec_from_args(build_parser().parse_args(["-np", "2", "--", "x"]))
+    assert {k: v for k, v in mca(build_command(spec).argv).items()
+            if "keepalive" in k} == dict(KEEPALIVE_MCA)
+    spec = spec_from_args(build_parser().parse_args(
+        ["--mca", "oob_tcp_keepalive_time", "60", "--", "x"]))
+    got = mca(build_command(spec).argv)
+    assert got["oob_tcp_keepalive_time"] == "60" and got["oob_tcp_keepalive_probes"] == "5"
+    assert build_command(spec).argv.count("oob_tcp_keepalive_time") == 1
+    spec = spec_from_args(build_parser().parse_args(["--launcher", "horovodrun", "--", "x"]))
+    assert "--mca" not in build_command(spec).argv  # horovodrun takes no --mca
