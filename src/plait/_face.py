@@ -20,7 +20,8 @@ from .protocols import Communicator, Handle
 
 __all__ = [
     "Adasum", "Average", "Face", "Max", "Min", "Product", "Sum", "check_groups", "elastic_attribute",
-    "gradient_compression", "keep_shape", "reduce_tensor", "resolve_op", "scale",
+    "Done", "MappedHandle", "gradient_compression", "keep_shape", "reduce_tensor", "resolve_op",
+    "scale",
 ]
 
 Average, Sum, Adasum, Min, Max, Product = "average", "sum", "adasum", "min", "max", "product"
@@ -171,7 +172,7 @@ def resolve_op(average: bool | None, op: str | None, default: str = Average) -> 
     return default if op is None else op
 
 
-class _Done:
+class Done:
     """A handle whose result is already known."""
 
     def __init__(self, value: Any) -> None:
@@ -184,7 +185,7 @@ class _Done:
         return True
 
 
-class _Mapped:
+class MappedHandle:
     """A handle whose result goes through ``fn`` (postscale, 0-d shape, Horovod's tuple)."""
 
     def __init__(self, handle: Handle, fn: Callable[[Any], Any]) -> None:
@@ -460,7 +461,7 @@ class Face:
         _claim(name)
         handle = self.comm(process_set).allreduce_async(scale(tensor, prescale_factor),
                                                         resolve_op(average, op), name)
-        handle = _Mapped(handle, lambda out: keep_shape(tensor, scale(out, postscale_factor)))
+        handle = MappedHandle(handle, lambda out: keep_shape(tensor, scale(out, postscale_factor)))
         return _named(handle, name)
 
     def allreduce(self, tensor: Any, average: bool | None = None, name: str | None = None,
@@ -500,7 +501,7 @@ class Face:
                         process_set: Any = None) -> Handle:
         _claim(name)
         comm, root = self.target(process_set, root_rank)
-        handle = _Mapped(comm.broadcast_async(tensor, root, name),
+        handle = MappedHandle(comm.broadcast_async(tensor, root, name),
                          lambda out: keep_shape(tensor, out))
         return _named(handle, name)
 
@@ -533,7 +534,7 @@ class Face:
     def alltoall_async(self, tensor: Any, splits: Any = None, name: str | None = None,
                        process_set: Any = None) -> Handle:
         """:meth:`alltoall` as a handle (plait runs it at call time)."""
-        return _Done(self.alltoall(tensor, splits, name, process_set))
+        return Done(self.alltoall(tensor, splits, name, process_set))
 
     def reducescatter_async(self, tensor: Any, name: str | None = None, op: str = Average,
                             process_set: Any = None, prescale_factor: float = 1.0,
@@ -543,7 +544,7 @@ class Face:
         _claim(name)
         out = self.comm(process_set).reducescatter(  # type: ignore[attr-defined]
             scale(tensor, prescale_factor), op, name)
-        return _Done(scale(out, postscale_factor))
+        return Done(scale(out, postscale_factor))
 
     def reducescatter(self, tensor: Any, name: str | None = None, op: str = Average,
                       process_set: Any = None, prescale_factor: float = 1.0,

@@ -18,7 +18,7 @@ from .errors import ConfigError, PlaitTypeError
 from .protocols import Communicator
 
 __all__ = ["ProcessSet", "add_process_set", "communicator", "global_process_set",
-           "init_process_sets", "remove_process_set"]
+           "included", "init_process_sets", "remove_process_set"]
 
 
 class ProcessSet:
@@ -223,3 +223,18 @@ def communicator(process_set: Any) -> tuple[Communicator, list[int] | None]:
         raise ConfigError(f"rank {runtime.world().rank} is not a part of {process_set}: only its "
                           "members may run collectives on it")
     return process_set._comm, process_set.ranks
+
+
+def included(process_set_id: int) -> bool:
+    """Whether this process is in the registered process set ``process_set_id``.
+
+    Raises:
+        ConfigError: for an id that is not registered.
+    """
+    if process_set_id == 0:
+        return True
+    ps = _REG.sets.get(process_set_id)
+    if ps is None:
+        raise ConfigError(f"invalid process_set_id={process_set_id!r}: expected 0 or the id of a "
+                          f"registered process set ({sorted(_REG.sets)})")
+    return bool(ps.included())

@@ -27,12 +27,13 @@ from ._face_compression import Compression, Compressor
 from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .errors import HorovodInternalError, invalid
 from .parallel.data import DEFAULT_BUCKET_MB
-from .tensorflow import allgather, allreduce, broadcast, broadcast_variables
+from .tensorflow import allgather, allreduce, broadcast, broadcast_variables, reducescatter
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer",
     "HorovodInternalError", "Max", "Min", "Product", "ProcessSet", "Sum", "add_process_set",
     "allgather", "allreduce", "backend", "broadcast", "broadcast_variables", "callbacks",
+    "cross_rank", "cross_size", "reducescatter",
     "ccl_built", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled",
     "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "mpi_built",
     "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "remove_process_set",
@@ -43,6 +44,7 @@ _F = Face("tensorflow")
 init, shutdown, is_initialized = _F.init, _F.shutdown, _F.is_initialized
 rank, size, local_rank, local_size = _F.rank, _F.size, _F.local_rank, _F.local_size
 backend, mpi_threads_supported = _F.backend, _F.mpi_threads_supported
+cross_rank, cross_size = _F.cross_rank, _F.cross_size
 mpi_built, gloo_built, nccl_built, ccl_built = _F.mpi_built, _F.gloo_built, _F.nccl_built, _F.ccl_built
 cuda_built, rocm_built, ddl_built, is_homogeneous = (_F.cuda_built, _F.rocm_built, _F.ddl_built,
                                                      _F.is_homogeneous)

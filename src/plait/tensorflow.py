@@ -25,20 +25,27 @@ from ._face import (
 )
 from ._face import _claim as claim_name
 from ._face_compression import Compression, Compressor
-from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from ._process_sets import (
+    ProcessSet,
+    add_process_set,
+    global_process_set,
+    included,
+    remove_process_set,
+)
 from .errors import HorovodInternalError
 from .parallel.data import DEFAULT_BUCKET_MB
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedGradientTape",
-    "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "Product", "ProcessSet", "Sum",
+    "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "ProcessSet", "Product", "Sum",
     "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall", "backend",
-    "barrier", "broadcast", "broadcast_object", "broadcast_variables", "ccl_built", "cross_rank",
-    "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled",
-    "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "init", "is_homogeneous",
-    "is_initialized", "join", "local_rank", "local_rank_op", "local_size", "local_size_op", "mpi_built",
-    "mpi_enabled", "mpi_threads_supported", "nccl_built", "rank", "rank_op", "reducescatter",
-    "remove_process_set", "rocm_built", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
+    "barrier", "broadcast", "broadcast_", "broadcast_object", "broadcast_variables", "ccl_built",
+    "cross_rank", "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built",
+    "gloo_enabled", "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "init",
+    "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op", "local_size",
+    "local_size_op", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
+    "process_set_included_op", "rank", "rank_op", "reducescatter", "remove_process_set",
+    "rocm_built", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
 ]
 
 _F = Face("tensorflow")
@@ -76,6 +83,19 @@ def rank_op(name: str | None = None) -> Any:
 def local_rank_op(name: str | None = None) -> Any:
     """This process's rank on its host as an int32 tensor (Horovod's ``local_rank_op``)."""
     return _int32(local_rank())
+
+
+def process_set_included_op(process_set_id: int = 0, name: str | None = None) -> Any:
+    """1 (int32 tensor) when this process is in process set ``process_set_id``, else 0."""
+    return _int32(int(included(process_set_id)))
+
+
+def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
+               process_set: Any = None) -> list[Any]:
+    """Assign ``root_rank``'s values to ``variables`` in place; return the new values."""
+    variables = list(variables)
+    broadcast_variables(variables, root_rank, process_set)
+    return [v.value() if callable(getattr(v, "value", None)) else v.value for v in variables]
 
 
 def local_size_op(name: str | None = None) -> Any:

@@ -15,7 +15,9 @@ from plait.adapters.torch import collective_function
 from ._face import (
     Adasum,
     Average,
+    Done,
     Face,
+    MappedHandle,
     Max,
     Min,
     Product,
@@ -36,8 +38,10 @@ __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer",
     "HorovodInternalError", "Max", "Min", "Product", "ProcessSet", "Sum", "add_process_set",
     "allgather", "allgather_async", "allgather_object", "allreduce", "allreduce_",
-    "allreduce_async", "alltoall", "alltoall_async", "backend", "barrier", "broadcast",
-    "broadcast_", "broadcast_async", "broadcast_object", "broadcast_optimizer_state",
+    "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "backend", "barrier",
+    "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "broadcast_object",
+    "grouped_allgather_async", "grouped_allreduce_async", "grouped_allreduce_async_",
+    "grouped_reducescatter_async", "broadcast_optimizer_state",
     "broadcast_parameters", "ccl_built", "cross_rank", "cross_size", "cuda_built", "ddl_built",
     "global_process_set", "gloo_built", "gloo_enabled", "grouped_allgather", "grouped_allreduce",
     "grouped_allreduce_", "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join",
@@ -210,6 +214,57 @@ def broadcast_(tensor: Any, root_rank: int, name: str | None = None,
     """In-place :func:`broadcast`; returns ``tensor``."""
     tensor.data.copy_(_F.broadcast(tensor, root_rank, name, process_set))
     return tensor
+
+
+def allreduce_async_(tensor: Any, average: bool | None = None, name: str | None = None,
+                     op: str | None = None, prescale_factor: float = 1.0,
+                     postscale_factor: float = 1.0, process_set: Any = None) -> Any:
+    """In-place :func:`allreduce_async`: ``synchronize`` writes the result into ``tensor``
+    and returns it."""
+    handle = _F.allreduce_async(tensor, average, name, op, prescale_factor, postscale_factor,
+                                process_set)
+    return MappedHandle(handle, lambda out: _write(tensor, out))
+
+
+def _write(tensor: Any, value: Any) -> Any:
+    tensor.data.copy_(value)
+    return tensor
+
+
+def broadcast_async_(tensor: Any, root_rank: int, name: str | None = None,
+                     process_set: Any = None) -> Any:
+    """In-place :func:`broadcast_async`: ``synchronize`` writes the result into ``tensor``."""
+    handle = _F.broadcast_async(tensor, root_rank, name, process_set)
+    return MappedHandle(handle, lambda out: _write(tensor, out))
+
+
+def grouped_allreduce_async(tensors: Any, average: bool | None = None, name: str | None = None,
+                            op: str | None = None, prescale_factor: float = 1.0,
+                            postscale_factor: float = 1.0, process_set: Any = None) -> Any:
+    """:func:`grouped_allreduce` as a handle (plait runs it at the call)."""
+    return Done(_F.grouped_allreduce(tensors, average, name, op, prescale_factor,
+                                     postscale_factor, process_set))
+
+
+def grouped_allreduce_async_(tensors: Any, average: bool | None = None, name: str | None = None,
+                             op: str | None = None, prescale_factor: float = 1.0,
+                             postscale_factor: float = 1.0, process_set: Any = None) -> Any:
+    """:func:`grouped_allreduce_` as a handle (plait runs it at the call)."""
+    return Done(grouped_allreduce_(tensors, average, name, op, prescale_factor,
+                                   postscale_factor, process_set))
+
+
+def grouped_allgather_async(tensors: Any, name: str | None = None, process_set: Any = None) -> Any:
+    """:func:`grouped_allgather` as a handle (plait runs it at the call)."""
+    return Done(_F.grouped_allgather(tensors, name, process_set))
+
+
+def grouped_reducescatter_async(tensors: Any, name: str | None = None, op: str = Average,
+                                process_set: Any = None, prescale_factor: float = 1.0,
+                                postscale_factor: float = 1.0) -> Any:
+    """:func:`grouped_reducescatter` as a handle (plait runs it at the call)."""
+    return Done(_F.grouped_reducescatter(tensors, name, op, process_set, prescale_factor,
+                                         postscale_factor))
 
 
 def broadcast_parameters(params: Any, root_rank: int = 0, process_set: Any = None) -> None:
