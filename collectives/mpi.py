@@ -11,15 +11,18 @@ Open MPI's nonblocking collectives or by plait's pipelined ring
 float16 and bfloat16 cross the wire at 2 bytes per element and are reduced by
 numpy in the ring.
 
-Waiting polls the requests, and drives the rings, yielding the CPU between polls
-while bytes move (Open MPI's TCP transport progresses only inside MPI calls), and
-naps only after :data:`SPIN_S` seconds without progress; every wait is bounded by
-the timeout.
+Open MPI moves the bytes of a nonblocking collective only inside MPI calls, and
+plait's rings advance only when polled. So every collective in flight is driven by
+a progress thread of the communicator (every :data:`PROGRESS_S` seconds, while the
+caller computes: backward overlaps the gradients' allreduce), and by whoever waits:
+a waiter polls, yielding the CPU while bytes move, and naps only after
+:data:`SPIN_S` seconds without progress; every wait is bounded by the timeout.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -36,7 +39,7 @@ from .check import Call, mismatch
 from .ring import Chain, Exchange, Ring, combiner, segments
 from .tuning import Tuning
 
-__all__ = ["SLOT", "SPIN_S", "MPICommunicator", "thread_level"]
+__all__ = ["PROGRESS_S", "SLOT", "SPIN_S", "MPICommunicator", "thread_level"]
 
 _BUILTIN = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD,
             "average": MPI.SUM}
@@ -51,6 +54,8 @@ _HEAD = 16  # digest and one number, int64 each
 #: Seconds a waiter keeps polling (yielding the CPU) after the last sign of progress.
 SPIN_S = 0.05
 _NAP_S = 2e-4
+#: Seconds between the progress thread's polls while collectives are in flight.
+PROGRESS_S = 5e-4
 _MAX_CHUNKS = 4096  # tags per ring collective
 
 
@@ -71,6 +76,21 @@ _ASK_TAG = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
 _ANSWER_TAG = _ASK_TAG - 1
 #: How long a timed-out rank listens for the others' answers.
 _ASK_GRACE_S = 2.0
+
+
+class _Request:
+    """An MPI request driven like a ring (``progress``, ``complete``, ``moved``)."""
+
+    def __init__(self, req: Any) -> None:
+        self._req = req
+        self.complete = False
+        self.moved = 0
+
+    def progress(self) -> bool:
+        if not self.complete:
+            self.complete = bool(self._req.Test())
+            self.moved += self.complete
+        return self.complete
 
 
 def _ranks(ranks: Sequence[int]) -> str:
@@ -100,7 +120,12 @@ class MPICommunicator(CommunicatorBase):
         self._ring_comm = self.comm.Dup()  # ring messages never meet user send/recv
         ub = int(self._ring_comm.Get_attr(MPI.TAG_UB) or 32767)
         self._tag_slots = max(1, ub // _MAX_CHUNKS)
-        self._rings: list[Ring | Chain | Exchange] = []  # ring collectives in flight, in start order
+        # collectives in flight, in start order, driven under the lock by the progress
+        # thread and by waiters
+        self._rings: list[Ring | Chain | Exchange | _Request] = []
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._thread: threading.Thread | None = None
         self._ring_seq = 0
         self._calls = 0  # bounded collective waits so far (the "#k" of the timeout report)
         self._asked = 0  # timeouts reported so far (the id of each "who is waiting?")
@@ -115,16 +140,37 @@ class MPICommunicator(CommunicatorBase):
             self._cross = self.comm.Split(self.local_rank, self.rank)
 
     # -- waiting --------------------------------------------------------------------
-    def _drive(self) -> bool:
-        """Advance every ring in flight; True when some chunk moved."""
-        moved = False
-        for ring in self._rings:
-            before = ring.moved
-            ring.progress()
-            moved = moved or ring.moved != before
-        if any(r.complete for r in self._rings):
-            self._rings = [r for r in self._rings if not r.complete]
-        return moved
+    def _drive(self, block: bool = True) -> bool:
+        """Advance every collective in flight; True when something moved.
+
+        Args:
+            block: wait for the lock (a waiter), or give up at once when another
+                thread holds it (the progress thread).
+        """
+        if not self._lock.acquire(blocking=block):
+            return False
+        try:
+            moved = False
+            for ring in self._rings:
+                before = ring.moved
+                ring.progress()
+                moved = moved or ring.moved != before
+            if any(r.complete for r in self._rings):
+                self._rings = [r for r in self._rings if not r.complete]
+            return moved
+        finally:
+            self._lock.release()
+
+    def _progress_loop(self) -> None:
+        """The progress thread: drive what is in flight, sleep when nothing is."""
+        while True:
+            self._wake.wait()
+            while self._rings:
+                self._drive(block=False)
+                time.sleep(PROGRESS_S)
+            self._wake.clear()
+            if self._rings:  # started between the check and the clear
+                self._wake.set()
 
     def _wait_until(self, ready: Callable[[], bool], timed_out: Callable[[], str],
                     seq: int = -1) -> None:
@@ -277,9 +323,9 @@ class MPICommunicator(CommunicatorBase):
         return rows
 
     # -- data movement ---------------------------------------------------------------------
-    def _request(self, req: Any, finish: Callable[[], Any], keep: Any, what: str) -> Pending:
-        """A handle whose ``wait()`` is bounded by the timeout, like every sync call."""
-        return Pending(req.Test, lambda: self._poll(req, what), finish, keep)
+    def _request(self, req: Any, finish: Callable[[], Any], keep: Any, what: str) -> Handle:
+        """A handle over an MPI request, driven like a ring; ``wait()`` is bounded."""
+        return self._start(_Request(req), finish, keep, what)
 
     def _tags(self) -> int:
         """The first tag of the next ring (the same on every rank: rings start in order)."""
@@ -320,10 +366,17 @@ class MPICommunicator(CommunicatorBase):
                                    None, None, tags[2]),
         ])
 
-    def _start(self, engine: Ring | Chain | Exchange, finish: Callable[[], Any], keep: Any,
-               what: str) -> Handle:
-        """A handle over a ring (or chain of rings) that every wait and test drives."""
-        self._rings.append(engine)
+    def _start(self, engine: Ring | Chain | Exchange | _Request, finish: Callable[[], Any],
+               keep: Any, what: str) -> Handle:
+        """A handle over a collective in flight, driven by the progress thread and by
+        every wait and test."""
+        with self._lock:
+            self._rings.append(engine)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._progress_loop, daemon=True,
+                                            name=f"plait-progress-{self.rank}")
+            self._thread.start()
+        self._wake.set()
 
         def test() -> bool:
             self._drive()

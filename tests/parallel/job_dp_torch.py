@@ -161,3 +161,44 @@ def test_sparse_embedding_gradients_are_reduced_dense(comm):
         return flat(m)
 
     torch.testing.assert_close(run(True), run(False), rtol=0, atol=1e-6)
+
+
+class _SlowInput(torch.autograd.Function):
+    """Identity whose backward (the last of the model's backward) first lets every
+    started bucket's collective finish in the background: it only watches, it makes no
+    MPI call, so only the communicator's progress thread can complete them."""
+
+    watch: list[bool] = []
+    comm = None
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        import time
+
+        deadline = time.monotonic() + 20
+        comm = _SlowInput.comm
+        while comm._rings and time.monotonic() < deadline:
+            time.sleep(0.01)
+        _SlowInput.watch.append(not comm._rings)
+        return grad
+
+
+def test_buckets_reduce_while_backward_still_runs(comm):
+    """Overlap, tested structurally: the gradients of the later layers (the first buckets)
+    are reduced before backward reaches the input, with nobody waiting on them."""
+    if comm.backend != "mpi":
+        return  # Horovod's own background thread overlaps; nothing of plait's to test
+    torch.manual_seed(0)
+    width = 1024  # 4 MiB buckets: each needs many polls of Open MPI's progress engine
+    m = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(3)])
+    opt = distributed_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), comm,
+                                m.named_parameters(), bucket_mb=(width + 1) * width * 4 / 2**20)
+    _SlowInput.comm, _SlowInput.watch = comm, []
+    x = torch.randn(8, width, requires_grad=True)
+    m(_SlowInput.apply(x)).sum().backward()
+    opt.step()
+    assert _SlowInput.watch == [True], "started buckets were not reduced during backward"
