@@ -36,7 +36,7 @@ from plait.protocols import Handle, Tensor
 
 from .base import CommunicatorBase, Done, Pending, check_splits, floating, reducescatter_counts
 from .check import Call, mismatch
-from .ring import Chain, Exchange, Ring, combiner, segments
+from .ring import Chain, Exchange, Relay, Ring, combiner, segments
 from .tuning import Tuning
 
 __all__ = ["PROGRESS_S", "SLOT", "SPIN_S", "MPICommunicator", "thread_level"]
@@ -122,7 +122,7 @@ class MPICommunicator(CommunicatorBase):
         self._tag_slots = max(1, ub // _MAX_CHUNKS)
         # collectives in flight, in start order, driven under the lock by the progress
         # thread and by waiters
-        self._rings: list[Ring | Chain | Exchange | _Request] = []
+        self._rings: list[Ring | Chain | Exchange | Relay | _Request] = []
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -366,7 +366,7 @@ class MPICommunicator(CommunicatorBase):
                                    None, None, tags[2]),
         ])
 
-    def _start(self, engine: Ring | Chain | Exchange | _Request, finish: Callable[[], Any],
+    def _start(self, engine: Ring | Chain | Exchange | Relay | _Request, finish: Callable[[], Any],
                keep: Any, what: str) -> Handle:
         """A handle over a collective in flight, driven by the progress thread and by
         every wait and test."""
@@ -415,6 +415,8 @@ class MPICommunicator(CommunicatorBase):
                 nbytes, dtype, self.cross_size) == "mpi" else "ring"
         if kind == "allgather":
             return self.tuning.gather_algorithm(nbytes * self.size, self.cross_size)
+        if kind == "broadcast" and nbytes > SLOT and self.size > 1:
+            return self.tuning.gather_algorithm(nbytes, self.cross_size)
         return "mpi"
 
     # -- collectives -----------------------------------------------------------------------------
@@ -499,6 +501,15 @@ class MPICommunicator(CommunicatorBase):
             return Done(ops.from_numpy(data.view(buf.dtype).reshape(buf.shape).copy(), tensor))
         self._verify(call)
         out = buf.copy() if self.rank == root else np.empty_like(buf)
+        if self.tuning.gather_algorithm(buf.nbytes, self.cross_size) == "ring":
+            comm = self._ring_comm
+            relay = Relay(_flat_bytes(out), self.rank, self.size, root,
+                          lambda b, dest, tag: comm.Isend([b, MPI.BYTE], dest, tag),
+                          lambda b, source, tag: comm.Irecv([b, MPI.BYTE], source, tag),
+                          MPI.Request.Testsome, self._tags(), self.tuning.chunk_bytes,
+                          _MAX_CHUNKS, self.tuning.window)
+            return self._start(relay, lambda: ops.from_numpy(out, tensor), (buf, tensor),
+                               call.describe())
         req = self.comm.Ibcast(_flat_bytes(out), root=root)
         return self._request(req, lambda: ops.from_numpy(out, tensor), (buf, tensor),
                              call.describe())

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-__all__ = ["Chain", "Exchange", "Request", "Ring", "combiner", "segments"]
+__all__ = ["Chain", "Exchange", "Relay", "Request", "Ring", "combiner", "segments"]
 
 
 class Request(Protocol):
@@ -288,4 +288,80 @@ class Exchange:
                 self._reqs = [r for i, r in enumerate(self._reqs) if i not in finished]
                 self.moved += len(finished)
         self.complete = not self._reqs
+        return self.complete
+
+
+class Relay:
+    """A pipelined broadcast along the ring from ``root``: every rank but the root
+    receives each chunk from its left neighbour and forwards it to its right one
+    (the last rank before the root only receives). With ranks numbered host by host,
+    each host link carries the tensor once; it quacks like a :class:`Ring`.
+
+    Args:
+        buf: the flat buffer (the root's data on the root; filled on the others).
+        rank: this rank.
+        size: ranks in the ring.
+        root: the broadcasting rank.
+        isend: starts sending a buffer to a rank with a tag.
+        irecv: starts receiving into a buffer from a rank with a tag.
+        testsome: which of a list of requests completed.
+        tags: the first of ``chunks`` consecutive tags this broadcast may use.
+        chunk: elements per chunk.
+        max_chunks: at most this many chunks (and tags).
+        window: receives (on the root: sends) in flight at once.
+    """
+
+    def __init__(self, buf: np.ndarray, rank: int, size: int, root: int, isend: Post,
+                 irecv: Post, testsome: TestSome, tags: int, chunk: int,
+                 max_chunks: int = 4096, window: int = 8) -> None:
+        self._testsome = testsome
+        self._isend, self._irecv, self._tags = isend, irecv, tags
+        self._right, self._left = (rank + 1) % size, (rank - 1) % size
+        self._forward = self._right != root
+        self._receive = rank != root
+        chunks = max(1, min(max_chunks, -(-buf.size // max(1, chunk))))
+        bounds = np.linspace(0, buf.size, chunks + 1).astype(np.int64)
+        self._parts = [buf[bounds[j] : bounds[j + 1]] for j in range(chunks)]
+        self._reqs: list[Any] = []
+        self._what: list[tuple[bool, int]] = []  # (is_recv, chunk)
+        self._window = max(1, window)
+        self._next = 0  # the next chunk to receive (or, on the root, to send)
+        self.moved = 0
+        self.complete = False
+        self._open()
+
+    def _open(self) -> None:
+        """Post receives (or, on the root, sends) up to the window."""
+        busy = sum(1 for is_recv, _ in self._what if is_recv == self._receive)
+        while self._next < len(self._parts) and busy < self._window:
+            j = self._next
+            self._next += 1
+            busy += 1
+            if self._receive:
+                self._reqs.append(self._irecv(self._parts[j], self._left, self._tags + j))
+                self._what.append((True, j))
+            elif self._forward:
+                self._reqs.append(self._isend(self._parts[j], self._right, self._tags + j))
+                self._what.append((False, j))
+
+    def progress(self) -> bool:
+        """Forward what arrived; post more receives.
+
+        Returns:
+            True when this rank received (and forwarded) every chunk.
+        """
+        if self._reqs:
+            done = self._testsome(self._reqs)
+            if done:
+                finished = set(done)
+                what = [self._what[i] for i in sorted(finished)]
+                self._reqs = [r for i, r in enumerate(self._reqs) if i not in finished]
+                self._what = [w for i, w in enumerate(self._what) if i not in finished]
+                self.moved += len(what)
+                for is_recv, j in what:
+                    if is_recv and self._forward:
+                        self._reqs.append(self._isend(self._parts[j], self._right, self._tags + j))
+                        self._what.append((False, j))
+        self._open()
+        self.complete = not self._reqs and self._next >= len(self._parts)
         return self.complete

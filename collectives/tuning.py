@@ -20,7 +20,8 @@ message size, the dtype and the host layout, overridable by environment variable
 ``PLAIT_RING_WINDOW`` the chunks whose first step is in flight at once (default 8);
 ``PLAIT_RING_MIN_KB`` the smallest message that takes the ring across hosts
 (default 64 KiB). ``PLAIT_ALLGATHER`` (``auto``/``ring``/``mpi``) does the same for
-allgather. Every rank must use the same settings (``plait run`` forwards ``PLAIT_*``).
+allgather and broadcast (a broadcast's ring is a pipelined relay from the root).
+Every rank must use the same settings (``plait run`` forwards ``PLAIT_*``).
 """
 
 from __future__ import annotations

@@ -154,3 +154,12 @@ def test_alltoall_pairwise_uneven_splits_with_empty_parts(comm, dtype):
             whole = data(s, dtype, sum(theirs) * 2).reshape(-1, 2)
             parts.append(whole[start : start + theirs[comm.rank]])
         close(out, np.concatenate(parts), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32", "int8", "bool"])
+def test_broadcast_from_every_root_at_odd_sizes(comm, dtype):
+    for n in SIZES:
+        for root in range(comm.size):
+            x = as_dtype(data(comm.rank, dtype, n), dtype)
+            out = comm.broadcast(x, root=root)
+            close(out, data(root, dtype, n), dtype)
