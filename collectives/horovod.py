@@ -150,6 +150,7 @@ class HorovodCommunicator(CommunicatorBase):
         if _set is None:
             self.local_rank, self.local_size = int(hvd.local_rank()), int(hvd.local_size())
             self.cross_rank, self.cross_size = int(hvd.cross_rank()), int(hvd.cross_size())
+            self.homogeneous = _homogeneous(hvd)
         else:
             self._topology()
         self._ops_map = {"sum": hvd.Sum, "average": hvd.Average, "min": hvd.Min,
@@ -178,6 +179,7 @@ class HorovodCommunicator(CommunicatorBase):
         self.rank, self.size = int(self._hvd.rank()), int(self._hvd.size())
         self.local_rank, self.local_size = int(self._hvd.local_rank()), int(self._hvd.local_size())
         self.cross_rank, self.cross_size = int(self._hvd.cross_rank()), int(self._hvd.cross_size())
+        self.homogeneous = _homogeneous(self._hvd)
         self._seq = 0
 
     def _name(self, kind: str, name: str | None = None) -> str:
@@ -524,6 +526,12 @@ class HorovodCommunicator(CommunicatorBase):
     def _host_graph(self, ops: TensorOps, tensor: Tensor) -> bool:
         """A symbolic tensor that the library cannot take natively."""
         return ops.is_symbolic(tensor) and ops.framework != self.framework
+
+
+def _homogeneous(hvd: Any) -> bool:
+    """Horovod's own answer: every host runs the same number of ranks (no collective)."""
+    fn = getattr(hvd, "is_homogeneous", None) or hvd.mpi_ops.is_homogeneous
+    return bool(fn())
 
 
 def _from_numpy(lib: TensorOps, arr: np.ndarray) -> Any:

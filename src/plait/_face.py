@@ -244,10 +244,6 @@ def _named(handle: Handle, name: str | None) -> Handle:
     return named
 
 
-#: ``hvd.is_homogeneous()`` per world communicator (computed once, collectively, at init).
-_HOMOGENEOUS: dict[int, bool] = {}
-
-
 class Face:
     """Horovod's module-level functions, bound to one framework.
 
@@ -276,9 +272,7 @@ class Face:
         if comm is not None:
             raise invalid("comm", comm, "None: plait.torch.init() always starts on all ranks; "
                           "make sub-groups with process_sets= or plait.world().split(color, key)")
-        world = runtime.init(backend, framework=self.framework, **kwargs)
-        if id(world) not in _HOMOGENEOUS:
-            _HOMOGENEOUS[id(world)] = len(set(world.allgather_object(world.local_size))) == 1
+        runtime.init(backend, framework=self.framework, **kwargs)
         init_process_sets(process_sets)
 
     @staticmethod
@@ -407,12 +401,14 @@ class Face:
         return thread_level() == "multiple"
 
     def is_homogeneous(self) -> bool:
-        """Whether every host runs the same number of ranks (computed at ``init``).
+        """Whether every host runs the same number of ranks (the world communicator
+        knows it from its construction: no collective here, nor in ``init``, so a worker
+        joining an elastic job runs no call the others do not).
 
         Raises:
             PlaitError: before ``init``.
         """
-        return _HOMOGENEOUS.get(id(runtime.world()), True)
+        return bool(getattr(runtime.world(), "homogeneous", True))
 
     def start_timeline(self, file_path: str, mark_cycles: bool = False) -> None:
         """Horovod's dynamic timeline: on the Horovod backend, Horovod's own (it needs
