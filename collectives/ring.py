@@ -12,10 +12,15 @@ arrived, so the link carries later chunks while earlier ones are reduced:
 bandwidth-optimal (each rank sends ``2 (size-1)/size`` of the buffer) and it
 keeps a link busy, unlike Open MPI's default allreduce of large messages.
 
-Nothing here imports MPI: the backend passes ``isend(buffer, dest, tag)`` and
-``irecv(buffer, source, tag)`` returning requests with ``Test()``; messages of
-one chunk reuse one tag, matched in order (MPI's non-overtaking rule).
-Reductions run in numpy (float16 and bfloat16 included) on received chunks.
+Nothing here imports MPI: the backend passes ``isend(buffer, dest, tag)``,
+``irecv(buffer, source, tag)`` and ``testsome(requests)`` (one call polls every
+message of a collective); messages of one chunk reuse one tag, matched in order
+(MPI's non-overtaking rule). Reductions run in numpy (float16 and bfloat16
+included) on received chunks.
+
+Built from the same parts: :class:`Chain` (rings one after the other: the
+hierarchical allreduce), :class:`Exchange` (a pairwise alltoall) and
+:class:`Relay` (a pipelined broadcast along the ring).
 """
 
 from __future__ import annotations
