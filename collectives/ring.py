@@ -73,6 +73,19 @@ def combiner(dtype: str, op: str) -> Combine:
     return reduce_any
 
 
+def _poll(testsome: TestSome, reqs: list[Any], what: list[Any]
+          ) -> tuple[list[Any], list[Any], list[Any]]:
+    """Test ``reqs`` once (``what`` labels each); return the requests still in flight,
+    their labels, and the labels of the completed ones in posting order."""
+    done = testsome(reqs) if reqs else None
+    if not done:
+        return reqs, what, []
+    finished = set(done)
+    return ([r for i, r in enumerate(reqs) if i not in finished],
+            [w for i, w in enumerate(what) if i not in finished],
+            [what[i] for i in sorted(finished)])
+
+
 def segments(counts: Sequence[int]) -> np.ndarray:
     """Offsets ``[0, c0, c0+c1, ...]`` of consecutive segments of the given sizes."""
     return np.concatenate([[0], np.cumsum(np.asarray(counts, dtype=np.int64))]).astype(np.int64)
@@ -199,21 +212,16 @@ class Ring:
         Returns:
             True when this rank's part of the collective is complete.
         """
-        if self._reqs:
-            done = self._testsome(self._reqs)
-            if done:
-                finished = set(done)
-                what = [self._what[i] for i in sorted(finished)]
-                self._reqs = [r for i, r in enumerate(self._reqs) if i not in finished]
-                self._what = [w for i, w in enumerate(self._what) if i not in finished]
-                self._sending.difference_update((j, t) for is_recv, j, t in what if not is_recv)
-                if self._deferred:
-                    waiting, self._deferred = self._deferred, []
-                    for j in waiting:
-                        self._post_recv(j)
-                for is_recv, j, t in what:
-                    if is_recv:
-                        self._arrived(j, t)
+        self._reqs, self._what, what = _poll(self._testsome, self._reqs, self._what)
+        if what:
+            self._sending.difference_update((j, t) for is_recv, j, t in what if not is_recv)
+            if self._deferred:
+                waiting, self._deferred = self._deferred, []
+                for j in waiting:
+                    self._post_recv(j)
+            for is_recv, j, t in what:
+                if is_recv:
+                    self._arrived(j, t)
         self.complete = self._live == 0 and not self._reqs and not self._deferred
         return self.complete
 
@@ -286,12 +294,8 @@ class Exchange:
         Returns:
             True when every message of this rank completed.
         """
-        if self._reqs:
-            done = self._testsome(self._reqs)
-            if done:
-                finished = set(done)
-                self._reqs = [r for i, r in enumerate(self._reqs) if i not in finished]
-                self.moved += len(finished)
+        self._reqs, _, what = _poll(self._testsome, self._reqs, [None] * len(self._reqs))
+        self.moved += len(what)
         self.complete = not self._reqs
         return self.complete
 
@@ -355,18 +359,12 @@ class Relay:
         Returns:
             True when this rank received (and forwarded) every chunk.
         """
-        if self._reqs:
-            done = self._testsome(self._reqs)
-            if done:
-                finished = set(done)
-                what = [self._what[i] for i in sorted(finished)]
-                self._reqs = [r for i, r in enumerate(self._reqs) if i not in finished]
-                self._what = [w for i, w in enumerate(self._what) if i not in finished]
-                self.moved += len(what)
-                for is_recv, j in what:
-                    if is_recv and self._forward:
-                        self._reqs.append(self._isend(self._parts[j], self._right, self._tags + j))
-                        self._what.append((False, j))
+        self._reqs, self._what, what = _poll(self._testsome, self._reqs, self._what)
+        self.moved += len(what)
+        for is_recv, j in what:
+            if is_recv and self._forward:
+                self._reqs.append(self._isend(self._parts[j], self._right, self._tags + j))
+                self._what.append((False, j))
         self._open()
         self.complete = not self._reqs and self._next >= len(self._parts)
         return self.complete
