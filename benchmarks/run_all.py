@@ -96,6 +96,23 @@ def _pyplot() -> Any:
     return plt
 
 
+def _finish(plt: Any, fig: Any, ax: Any, out: Path, xlabel: str, ylabel: str, title: str,
+            legend: int = 8, ylog: bool = False) -> Path:
+    """Label a log2-x plot, save it to ``out`` and close it."""
+    ax.set_xscale("log", base=2)
+    if ylog:
+        ax.set_yscale("log")
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=legend)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 def plot_bandwidth(data: dict[str, Any], out: Path) -> Path | None:
     """Allreduce bus bandwidth vs message size, one line per implementation."""
     rows = data.get("rows", [])
@@ -109,22 +126,15 @@ def plot_bandwidth(data: dict[str, Any], out: Path) -> Path | None:
         xs = [p[0] for p in pts]
         ax.plot(xs, [p[1]["median"] for p in pts], marker="o", label=impl)
         ax.fill_between(xs, [p[1]["min"] for p in pts], [p[1]["max"] for p in pts], alpha=0.12)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("message size (bytes)")
-    ax.set_ylabel("bus bandwidth (GB/s), median; band: min–max")
-    ax.set_title(f"Allreduce on {data.get('meta', {}).get('np', 2)} ranks")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _finish(plt, fig, ax, out, "message size (bytes)", "bus bandwidth (GB/s), median; band: min–max",
+                   f"Allreduce on {data.get('meta', {}).get('np', 2)} ranks", legend=8, ylog=True)
 
 
 def plot_link(data: dict[str, Any], out: Path) -> Path | None:
-    """Fraction of the link rate vs message size, one line per implementation and run."""
-    rows = [r for r in data.get("rows", []) if "link_fraction" in r]
+    """Allreduce's fraction of the link rate vs message size, one line per implementation
+    and run (the other collectives are in the tables)."""
+    rows = [r for r in data.get("rows", [])
+            if "link_fraction" in r and r.get("kind", "allreduce") == "allreduce"]
     if not rows:
         return None
     plt = _pyplot()
@@ -135,16 +145,8 @@ def plot_link(data: dict[str, Any], out: Path) -> Path | None:
         xs = [p[0] for p in pts]
         ax.plot(xs, [p[1]["median"] for p in pts], marker="o",
                 label=f"{key[0]} ({key[1]}, {key[2]} ranks)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("message size (bytes, float32)")
-    ax.set_ylabel("fraction of the link rate (median)")
-    ax.set_title("Allreduce across 2 emulated hosts")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _finish(plt, fig, ax, out, "message size (bytes, float32)", "fraction of the link rate (median)",
+                   "Allreduce across 2 emulated hosts", legend=7)
 
 
 _TIME_KEYS = ("step_ms", "step_s", "time_ms", "time_s", "seconds", "step_time_s", "step_time_ms")
@@ -196,16 +198,8 @@ def plot_bubble(data: dict[str, Any], out: Path) -> Path | None:
         if all("bubble_theory" in p[1] for p in pts):
             ax.plot(xs, [p[1]["bubble_theory"] for p in pts], linestyle="--", color=color,
                     label=f"{s} theory")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("micro-batches")
-    ax.set_ylabel("bubble fraction")
-    ax.set_title("Pipeline bubble vs micro-batches")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
-    return out
+    return _finish(plt, fig, ax, out, "micro-batches", "bubble fraction",
+                   "Pipeline bubble vs micro-batches", legend=8)
 
 
 # -- report -----------------------------------------------------------------------------------
@@ -226,7 +220,8 @@ def _summary() -> list[str]:
     if link:
         for r in link.get("rows", []):
             if r["impl"] == "plait-mpi" and r["bytes"] >= 2**20:
-                lines.append(f"- link {r['rate']}, {r['np']} ranks, {r['bytes'] / 2**20:g} MiB: "
+                lines.append(f"- link {r['rate']}, {r['np']} ranks, {r.get('kind', 'allreduce')} "
+                             f"{r['bytes'] / 2**20:g} MiB: "
                              f"plait-mpi at {r['link_fraction']['median']:.2f} of the link rate "
                              "(target >= 0.95)")
     dp = _load("dp_step")

@@ -83,8 +83,10 @@ class CommunicatorBase:
 
     Subclasses set ``backend``, ``rank``, ``size`` and implement the ``*_async``
     operations, ``barrier``, ``send``, ``recv``, ``split`` and the raw
-    primitives ``_raw_min`` (int64 MIN allreduce, with the timeout),
-    ``_raw_allgather_bytes`` (ragged uint8 allgather) and ``_raw_bcast_bytes``.
+    primitives ``_raw_allgather_bytes`` (ragged uint8 allgather) and
+    ``_raw_bcast_bytes``, and either ``_raw_min`` (int64 MIN allreduce, with the
+    timeout: the agreement check of :func:`~plait.collectives.check.verify`) or
+    their own ``_verify`` (the MPI backend checks inside its header allgather).
     """
 
     backend = "base"

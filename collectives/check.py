@@ -1,9 +1,11 @@
 """Cross-rank agreement check, written once for every backend.
 
-Before a collective, every rank reduces a 62-bit digest of its call (kind,
-shape, dtype, op, root, name) with MIN over ``[d, -d]``: one tiny allreduce
-tells every rank whether all digests agree. Only on disagreement are the full
-descriptions allgathered, so the error names every rank's call, on every rank.
+Before a collective, the ranks compare a 62-bit digest of their call (kind,
+shape, dtype, op, root, name). :func:`verify` reduces it with MIN over
+``[d, -d]``: one tiny allreduce tells every rank whether all digests agree (the
+Horovod backend); the MPI backend compares the digests that travel in its header
+allgather. Only on disagreement are the full descriptions allgathered
+(:func:`mismatch`), so the error names every rank's call, on every rank.
 """
 
 from __future__ import annotations
