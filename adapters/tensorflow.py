@@ -7,6 +7,7 @@ not ``tf.Variable``) are unwrapped through their ``.value``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -15,7 +16,7 @@ import tensorflow as tf
 
 from plait.errors import PlaitTypeError
 
-__all__ = ["OPS", "TFOps", "collective_function", "unwrap"]
+__all__ = ["OPS", "TFOps", "collective_function", "graph_position", "unwrap"]
 
 _TO_NAME = {
     tf.float16: "float16", tf.bfloat16: "bfloat16", tf.float32: "float32",
@@ -78,8 +79,31 @@ class TFOps:
     def host_call(
         self, fn: Callable[..., Any], inputs: Sequence[Any], like: Any, same_shape: bool = True
     ) -> tf.Tensor:
+        """Run ``fn`` on the numpy values of ``inputs`` as a host op of the graph being built.
+
+        When ``fn`` has a ``bind`` method (an :class:`~plait.collectives.graph_order.OrderedCall`),
+        it gets the op's key: the op's position among the collective host ops of the
+        outermost graph being built, and that graph's name (see :func:`graph_position`).
+        In a TF1 ``tf.Graph`` such ops also run in the order they were built (each has a
+        control dependency on the previous one), as ``tf.function`` runs stateful ops in
+        program order: a session runs independent ops in several threads, and host ops
+        that block in different collectives on different ranks would hold every thread.
+        """
         like = unwrap(like)
-        out = tf.numpy_function(fn, [unwrap(i) for i in inputs], Tout=like.dtype, stateful=True)
+        bind = getattr(fn, "bind", None)
+        position = graph_position() if bind is not None else None
+        graph = tf.compat.v1.get_default_graph()
+        chained = position is not None and not getattr(graph, "building_function", False)
+        previous = _LAST_OP.get(graph) if chained else None
+        with tf.control_dependencies([previous] if previous is not None else []):
+            out = tf.numpy_function(fn, [unwrap(i) for i in inputs], Tout=like.dtype,
+                                    stateful=True)
+        if chained:
+            _LAST_OP[graph] = out.op
+        if bind is not None and position is not None:
+            from plait.collectives.graph_order import graph_key
+
+            bind(graph_key(*position), f"{position[0]}/{out.op.name}")
         if same_shape:
             out.set_shape(like.shape)
         else:
@@ -164,6 +188,32 @@ class TFOps:
         wide = tf.reshape(tf.cast(unwrap(packed), tf.int32), [-1, 1])
         bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(wide, shifts), 1)
         return tf.cast(tf.reshape(bits, [-1])[:count], tf.bool)
+
+
+_POSITIONS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+_LAST_OP: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def graph_position() -> tuple[str, int] | None:
+    """Name of the outermost graph being built and the number of collective host ops
+    built in it so far (then counts this one); None when executing eagerly.
+
+    Equal on every rank that builds the same graphs: names of ``tf.function`` graphs
+    are their Python function's name (nested ``tf.cond``/``while`` graphs count in their
+    outermost graph, whose name does not depend on process-wide counters); a TF1
+    ``tf.Graph`` is ``"graph"``.
+    """
+    if tf.executing_eagerly():
+        return None
+    graph = tf.compat.v1.get_default_graph()
+    while getattr(graph, "building_function", False):  # a FuncGraph: look for its outermost
+        outer = getattr(graph, "outer_graph", None)
+        if outer is None or not getattr(outer, "building_function", False):
+            break
+        graph = outer
+    index = _POSITIONS.get(graph, 0)
+    _POSITIONS[graph] = index + 1
+    return str(getattr(graph, "name", None) or "graph"), index
 
 
 def collective_function(

@@ -18,6 +18,7 @@ from plait.errors import ConfigError, PlaitTypeError, invalid
 from plait.protocols import REDUCE_OPS, Handle, Tensor, TensorOps
 
 from .check import Call, verify
+from .graph_order import ordered
 
 __all__ = ["CommunicatorBase", "Done", "Pending", "reducescatter_counts"]
 
@@ -153,7 +154,7 @@ class CommunicatorBase:
         """Inside a TensorFlow graph, run the numpy form of the op as a host op."""
         if not ops.is_symbolic(tensor):
             return None
-        return Done(ops.host_call(sync, [tensor], tensor, same_shape=same_shape))
+        return Done(ops.host_call(ordered(self, sync), [tensor], tensor, same_shape=same_shape))
 
     # -- async operations (backends) -------------------------------------------------------
     def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Handle:
@@ -205,7 +206,7 @@ class CommunicatorBase:
             received[:] = [np.asarray(recv, dtype=np.int32)]
             return np.asarray(out)
 
-        out = ops.host_call(move, inputs, tensor, same_shape=False)
+        out = ops.host_call(ordered(self, move), inputs, tensor, same_shape=False)
         like = ops.zeros([self.size], "int32", tensor)
         # ``out`` as input orders the second op after the first
         recv = ops.host_call(lambda _: received[0], [out], like)
