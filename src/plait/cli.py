@@ -1,4 +1,5 @@
-"""The ``plait`` command: ``plait run ...`` launches a job, ``plait info`` shows the build."""
+"""The ``plait`` command: ``plait run ...`` launches a job, ``plait info`` shows the build,
+``plait serve`` runs the training service and ``plait jobs ...`` is its client."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ from collections.abc import Sequence
 
 __all__ = ["main"]
 
-_USAGE = """usage: plait {run,info} ...
+_USAGE = """usage: plait {run,info,serve,jobs} ...
 
   plait run [-np N] [-H h1:2,h2:2 | --hostfile F] [--launcher mpirun|horovodrun]
             [--backend mpi|horovod] [--timeout S] [-x VAR]... [--timeline FILE]
             [--dry-run] -- COMMAND...
   plait info        versions of plait, Python, frameworks, MPI and Horovod
+  plait serve [--listen 127.0.0.1:50051] [--slots N | -H h1:2,h2:2 | --hostfile F] [--code-dir D] ...
+                    the gRPC training service (needs plait[service])
+  plait jobs {submit,status,list,cancel,logs} ...
+                    its client: plait jobs submit --name N --framework torch --instances 2 train.py
 """
 
 
@@ -38,7 +43,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         from .info import main as info_main
 
         return info_main(rest)
-    print(f"plait: unknown command {command!r}: expected 'run' or 'info'\n\n{_USAGE}", file=sys.stderr)
+    if command in ("serve", "jobs"):
+        try:
+            if command == "serve":
+                from .service.server import main as service_main
+            else:
+                from .service.client import main as service_main
+        except ImportError as exc:
+            print(f"plait {command}: needs grpcio, grpcio-reflection and protobuf "
+                  f"(pip install 'plait[service]'): {exc}", file=sys.stderr)
+            return 2
+        return service_main(rest)
+    print(f"plait: unknown command {command!r}: expected 'run', 'info', 'serve' or 'jobs'\n\n{_USAGE}",
+          file=sys.stderr)
     return 2
 
 

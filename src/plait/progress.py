@@ -1,8 +1,12 @@
-"""Reporting from a job: a progress bar on rank 0 only, rank-prefixed logs, averaged metrics."""
+"""Reporting from a job: a progress bar on rank 0 only, rank-prefixed logs, averaged metrics,
+and :func:`report`, the progress hook the training service reads."""
 
 from __future__ import annotations
 
+import json
+import os
 import sys
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar
 
@@ -10,7 +14,10 @@ import numpy as np
 
 from .protocols import Communicator
 
-__all__ = ["average_metrics", "log", "progress"]
+__all__ = ["PROGRESS_FILE_ENV", "average_metrics", "log", "progress", "report"]
+
+#: The variable naming the file :func:`report` appends to (set by ``plait serve`` on rank 0).
+PROGRESS_FILE_ENV = "PLAIT_PROGRESS_FILE"
 
 T = TypeVar("T")
 
@@ -38,3 +45,38 @@ def average_metrics(metrics: Mapping[str, float], comm: Communicator) -> dict[st
     values = np.array([float(metrics[k]) for k in keys], dtype=np.float64)
     out = comm.allreduce(values, op="average", name="metrics." + ",".join(keys))
     return {k: float(v) for k, v in zip(keys, np.asarray(out))}
+
+
+def report(step: int | None = None, epoch: int | None = None, loss: float | None = None,
+           artifact: str | None = None, **metrics: float) -> bool:
+    """Report training progress to the service that runs this job (a no-op elsewhere).
+
+    ``plait serve`` sets ``PLAIT_PROGRESS_FILE`` on rank 0 only, so every rank can call
+    this; the job's status then shows the last step, epoch, loss and metrics, and
+    ``artifact`` (the saved model's path) once rank 0 reports it.
+
+    Args:
+        step: global step.
+        epoch: epoch.
+        loss: current loss.
+        artifact: path or URI of the model rank 0 saved.
+        **metrics: other numbers (accuracy=0.97, ...).
+
+    Returns:
+        Whether a report was written.
+    """
+    path = os.environ.get(PROGRESS_FILE_ENV)
+    if not path:
+        return False
+    entry: dict[str, object] = {"time": time.time(), "metrics": {k: float(v) for k, v in metrics.items()}}
+    if step is not None:
+        entry["step"] = int(step)
+    if epoch is not None:
+        entry["epoch"] = int(epoch)
+    if loss is not None:
+        entry["loss"] = float(loss)
+    if artifact is not None:
+        entry["artifact"] = str(artifact)
+    with open(path, "a") as f:
+        f.write(json.dumps(entry) + "\n")
+    return True
