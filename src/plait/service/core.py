@@ -254,7 +254,8 @@ class Service:
         with self._lock:
             cancel = self._cancel[job_id]
         started = self.store.get(job_id).started or time.time()
-        offset, failed_at, reason = 0, None, ""
+        offset, failed_at, reason = 0, 0.0, ""
+        first: tuple[int, int] | None = None
         while not launched.poll():
             offset = self._read_progress(job_id, progress_file, offset)
             now = time.time()
@@ -262,10 +263,11 @@ class Service:
                 reason = "cancelled"
             elif spec.timeout_s and now - started > spec.timeout_s:
                 reason = f"timed out after {spec.timeout_s:g} s (timeout_s)"
-            elif failed_at is None and launched.failed_rank():
-                failed_at = now
-            elif failed_at is not None and now - failed_at > self.abort_grace:
-                reason = f"a rank failed; the others did not exit within {self.abort_grace:g} s"
+            elif first is None:
+                first, failed_at = launched.failed_rank(), now
+            elif now - failed_at > self.abort_grace:
+                reason = (f"rank {first[0]} exited with status {first[1]}; the other ranks did not exit "
+                          f"within {self.abort_grace:g} s and were killed")
             if reason:
                 launched.kill()
                 break

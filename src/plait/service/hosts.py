@@ -122,10 +122,10 @@ class Launched:
             return all(p.poll() is not None for p in self.procs)
         return not groups_alive(self.pgids)
 
-    def failed_rank(self) -> bool:
-        """Whether some rank has already ended with a non-zero status."""
+    def failed_rank(self) -> tuple[int, int] | None:
+        """The first rank (and its status) that has already ended with a non-zero status, if any."""
         codes = self.exit_codes(final=False)
-        return any(c != 0 for c in codes.values())
+        return next(((r, c) for r, c in sorted(codes.items()) if c != 0), None)
 
     def exit_codes(self, final: bool = True) -> dict[int, int]:
         """Exit status per rank: from the ranks' exit files, else from the process.

@@ -1,0 +1,254 @@
+"""The training service for real: ``plait serve`` as a subprocess on 127.0.0.1, driven by its gRPC API
+and by the ``plait jobs`` client, running real jobs (tests/service_jobs/) on this machine.
+
+Module layout, to keep the wall time low on 2 cores: the group jobs (torch gloo group, TF
+MultiWorkerMirroredStrategy, plait over mpirun with 2 processes per worker, a plain run) are
+submitted when the module starts and checked by the last test; the other tests (bad input, queue,
+cancel, failure, kill -9 and restart) run on a second, 2-slot service meanwhile.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+pytest.importorskip("grpc_reflection")
+
+from google.protobuf import json_format  # noqa: E402
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (  # noqa: E402
+    ProtoReflectionDescriptorDatabase,
+)
+from jobs import ROOT, mpi_env  # noqa: E402
+
+from plait.service import training_pb2 as pb  # noqa: E402
+from plait.service import training_pb2_grpc as pb_grpc  # noqa: E402
+
+CODE = ROOT / "tests" / "service_jobs"
+FINAL = {pb.SUCCEEDED, pb.FAILED, pb.CANCELLED}
+
+
+class Server:
+    """A ``plait serve`` subprocess and a stub connected to it."""
+
+    def __init__(self, work: Path, *args: str, token: str | None = None) -> None:
+        self.work, self.args, self.token = work, args, token
+        self.proc: subprocess.Popen[str] | None = None
+        self.start()
+
+    def start(self) -> None:
+        argv = [sys.executable, "-m", "plait.cli", "serve", "--listen", "127.0.0.1:0",
+                "--work-dir", str(self.work), "--code-dir", str(CODE), *self.args]
+        if self.token:
+            (self.work.parent / "token").write_text(self.token + "\n")
+            argv += ["--token-file", str(self.work.parent / "token")]
+        self.proc = subprocess.Popen(argv, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                     text=True, start_new_session=True)
+        ready, _, _ = select.select([self.proc.stdout], [], [], 60)
+        line = self.proc.stdout.readline() if ready else ""  # type: ignore[union-attr]
+        assert "listening on" in line, f"plait serve did not start: {line!r}"
+        self.address = line.split("listening on ")[1].split()[0]
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = pb_grpc.TrainingStub(self.channel)
+        self.md = [("authorization", f"Bearer {self.token}")] if self.token else []
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        assert self.proc is not None
+        self.channel.close()
+        self.proc.send_signal(sig)
+        self.proc.wait(timeout=30)
+
+    def train(self, entry: str, framework: str, instances: int | str = 1, per_worker: int = 1,
+              args: tuple[str, ...] = (), **params: object) -> str:
+        request = pb.TrainRequest(name="t", entry_point=entry, framework=framework, args=args,
+                                  processes_per_worker=per_worker, dataset="digits")
+        request.parameters.update({"PARALLEL_INSTANCES": str(instances), **params})
+        return str(self.stub.Train(request, metadata=self.md, timeout=30).job_id)
+
+    def status(self, job_id: str) -> pb.JobStatus:
+        return self.stub.GetTrainingStatus(pb.StatusRequest(job_id=job_id), metadata=self.md, timeout=30)
+
+    def wait(self, job_id: str, states: set[int] = FINAL, timeout: float = 240) -> pb.JobStatus:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            s = self.status(job_id)
+            if s.state in states:
+                return s
+            time.sleep(0.2)
+        raise AssertionError(f"job {job_id} still {pb.JobState.Name(s.state)} after {timeout}s: {s}")
+
+    def logs(self, job_id: str, rank: int) -> str:
+        chunks = self.stub.Logs(pb.LogsRequest(job_id=job_id, rank=rank), metadata=self.md, timeout=30)
+        return b"".join(c.data for c in chunks).decode(errors="replace")
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
+        env = mpi_env({"PLAIT_SERVICE": self.address, "PLAIT_SERVICE_TOKEN": self.token or ""})
+        return subprocess.run([sys.executable, "-m", "plait.cli", "jobs", *args], env=env, text=True,
+                              capture_output=True, timeout=120)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.kill(signal.SIGTERM)
+
+
+def _pids_with(marker: str) -> list[int]:
+    """Processes whose command line holds ``marker``."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found
+
+
+@pytest.fixture(scope="module")
+def group_jobs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, dict[str, str]]]:
+    """An 8-slot service running the group jobs (submitted at once, checked by the last test)."""
+    server = Server(tmp_path_factory.mktemp("svc-a") / "work", "--slots", "8")
+    torch = server.cli("submit", "--name", "torch2", "--framework", "torch", "--instances", "2",
+                       "torch_group.py")
+    assert torch.returncode == 0, torch.stderr
+    jobs = {
+        "torch": torch.stdout.strip(),
+        "tensorflow": server.train("tf_config.py", "tensorflow", 2),
+        "mpi": server.train("plait_mpi.py", "mpi", 2, per_worker=2),
+        "plain": server.train("plain.py", "torch", 1, args=("--epochs", "2"), lr="0.1"),
+    }
+    yield server, jobs
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def small(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A 2-slot service with a token and a short abort grace."""
+    server = Server(tmp_path_factory.mktemp("svc-b") / "work", "--slots", "2", "--abort-grace", "2",
+                    token="s3cret")
+    yield server
+    server.close()
+
+
+def _code(call: object) -> tuple[object, str]:
+    with pytest.raises(grpc.RpcError) as info:
+        call()  # type: ignore[operator]
+    return info.value.code(), info.value.details()
+
+
+def test_reflection_and_token(group_jobs: tuple[Server, dict[str, str]], small: Server) -> None:
+    db = ProtoReflectionDescriptorDatabase(group_jobs[0].channel)
+    assert "plait.service.v1.Training" in db.get_services()
+    methods = {m.name for m in db.FindFileContainingSymbol("plait.service.v1.Training").service[0].method}
+    assert methods == {"Train", "GetTrainingStatus", "ListJobs", "Cancel", "Logs"}
+    code, details = _code(lambda: small.stub.ListJobs(pb.ListJobsRequest(), timeout=30))
+    assert code == grpc.StatusCode.UNAUTHENTICATED and "token" in details
+    assert small.stub.ListJobs(pb.ListJobsRequest(), metadata=small.md, timeout=30).jobs == []
+
+
+def test_bad_input_is_refused_and_nothing_is_queued(small: Server) -> None:
+    invalid = grpc.StatusCode.INVALID_ARGUMENT
+    cases = [
+        (lambda: small.train("sleeper.py", "caffe"), invalid, "framework='caffe'"),
+        (lambda: small.train("sleeper.py", "none", 0), invalid, "PARALLEL_INSTANCES=0"),
+        (lambda: small.train("sleeper.py", "none", "two"), invalid, "PARALLEL_INSTANCES='two'"),
+        (lambda: small.train("sleeper.py", "none", 3), grpc.StatusCode.RESOURCE_EXHAUSTED, "capacity of 2"),
+        (lambda: small.train("sleeper.py", "none", 2, per_worker=2), grpc.StatusCode.RESOURCE_EXHAUSTED,
+         "4 processes"),
+        (lambda: small.train("../test_service.py", "none"), invalid, "entry_point='../test_service.py'"),
+        (lambda: small.train("/etc/passwd", "none"), invalid, "inside the code directory"),
+        (lambda: small.train("missing.py", "none"), invalid, "an existing file"),
+        (lambda: small.train("sleeper.py", "none", lr=0.1), invalid, "parameters['lr']=0.1"),
+        (lambda: small.status("20990101-deadbeef"), grpc.StatusCode.NOT_FOUND, "no such job"),
+        (lambda: small.stub.Cancel(pb.CancelRequest(job_id="nope"), metadata=small.md, timeout=30),
+         grpc.StatusCode.NOT_FOUND, "job_id='nope'"),
+        (lambda: small.logs("nope", 0), grpc.StatusCode.NOT_FOUND, "job_id='nope'"),
+    ]
+    for call, code, text in cases:
+        got, details = _code(call)
+        assert got == code and text in details, (text, got, details)
+    assert small.stub.ListJobs(pb.ListJobsRequest(), metadata=small.md, timeout=30).jobs == []
+    # the client names the bad argument too
+    out = small.cli("submit", "--name", "x", "--framework", "none", "--parameters", '{"lr": 0.1}', "plain.py")
+    assert out.returncode == 1 and "INVALID_ARGUMENT" in out.stderr and "parameters['lr']" in out.stderr
+
+
+def test_queue_cancel_and_failure(small: Server) -> None:
+    hold = small.train("sleeper.py", "none", 2, args=("600", "svc-marker-hold"))
+    small.wait(hold, {pb.RUNNING})
+    waiting = small.train("sleeper.py", "none", 1, args=("0", "svc-marker-wait"))
+    time.sleep(1.0)
+    s = small.status(waiting)
+    assert s.state == pb.QUEUED and "waiting for 1 free slots (0 of 2 free)" in s.message, s
+    assert len(_pids_with("svc-marker-hold")) >= 2
+    out = small.cli("cancel", hold)
+    assert out.returncode == 0 and "cancelled" in out.stdout, out.stdout + out.stderr
+    assert _pids_with("svc-marker-hold") == []
+    s = small.status(hold)
+    assert s.state == pb.CANCELLED and s.finished_at >= s.started_at > 0 and len(s.exit_codes) == 2
+    assert small.wait(waiting).state == pb.SUCCEEDED
+    # a rank that fails ends the job: the other rank is killed after the abort grace
+    failing = small.train("fail_rank.py", "none", 2)
+    s = small.wait(failing, timeout=60)
+    codes = {e.rank: e.exit_code for e in s.exit_codes}
+    assert s.state == pb.FAILED and codes[1] == 3 and codes[0] != 0, s
+    assert "rank 1 exited with status 3" in s.message
+    assert "rank 1 fails" in small.logs(failing, 1)
+    # cancelling a finished job leaves it as it was
+    assert small.stub.Cancel(pb.CancelRequest(job_id=failing), metadata=small.md, timeout=30).state == pb.FAILED
+
+
+def test_store_survives_kill_9(small: Server) -> None:
+    running = small.train("sleeper.py", "none", 1, args=("4", "svc-marker-adopt"))
+    small.wait(running, {pb.RUNNING})
+    queued = small.train("sleeper.py", "none", 2, args=("0",))
+    assert small.status(queued).state == pb.QUEUED
+    small.kill(signal.SIGKILL)
+    assert _pids_with("svc-marker-adopt"), "the job died with the service"
+    small.start()
+    s = small.wait(running)
+    assert s.state == pb.SUCCEEDED and [e.exit_code for e in s.exit_codes] == [0], s
+    assert s.progress.step == 1 and s.progress.loss == 1.0
+    assert small.wait(queued).state == pb.SUCCEEDED
+    listed = small.cli("list")
+    assert running in listed.stdout and queued in listed.stdout
+
+
+def test_group_jobs(group_jobs: tuple[Server, dict[str, str]]) -> None:
+    server, jobs = group_jobs
+    status = {kind: server.wait(job_id, timeout=300) for kind, job_id in jobs.items()}
+    for kind, s in status.items():
+        detail = f"{kind}: {s}\n" + "\n".join(server.logs(s.job_id, r)[-2000:] for r in range(len(s.exit_codes)))
+        assert s.state == pb.SUCCEEDED, detail
+        assert [e.exit_code for e in s.exit_codes] == [0] * (s.instances * s.processes_per_worker), detail
+        assert s.started_at >= s.created_at > 0 and s.finished_at >= s.started_at
+    torch = status["torch"]
+    assert torch.progress.step == 3 and torch.progress.epoch == 1 and torch.progress.loss == 0.25
+    assert torch.progress.metrics["accuracy"] == 0.75
+    assert torch.artifact.endswith("output/model.pt") and os.path.isfile(torch.artifact)
+    for rank in (0, 1):
+        assert f"torch rank {rank}/2 group of 2 via localhost:" in server.logs(torch.job_id, rank)
+    for rank in (0, 1):
+        assert f"tf worker {rank}/2 sum=3" in server.logs(status["tensorflow"].job_id, rank)
+    mpi = status["mpi"]
+    assert mpi.instances == 2 and mpi.processes_per_worker == 2 and len(mpi.exit_codes) == 4
+    for rank in range(4):
+        assert f"plait rank {rank}/4 backend mpi sum=10" in server.logs(mpi.job_id, rank)
+    plain = status["plain"]
+    assert "plain run ok ['--epochs', '2']" in server.logs(plain.job_id, 0)
+    assert json_format.MessageToDict(plain.parameters) == {"PARALLEL_INSTANCES": "1", "lr": "0.1"}
+    assert plain.progress.metrics["accuracy"] == 0.97
+    out = server.cli("--json", "status", torch.job_id)
+    assert out.returncode == 0 and json.loads(out.stdout)["state"] == "SUCCEEDED"
+    text = server.cli("status", torch.job_id).stdout
+    assert "succeeded" in text and "exit codes: rank0=0 rank1=0" in text and "step 3" in text
