@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from plait.errors import invalid
-from plait.parallel.data import DEFAULT_BUCKET_MB, GradientReducer, GradSpec
+from plait.parallel.data import Bucket, GradientReducer, GradSpec
 from plait.protocols import Communicator
 
 from .torch import OPS
@@ -31,28 +31,57 @@ class _Distributed:
     _plait_reducer: GradientReducer
     _plait_params: dict[str, torch.nn.Parameter]
     _plait_counts: dict[str, int]
+    _plait_zeros: dict[str, int]
     _plait_passes: int
     _plait_skip: bool
     _plait_predivide: float
+    _plait_buffers: dict[int, torch.Tensor]
 
     def _plait_hook(self, name: str) -> Any:
+        counts, passes, predivide = self._plait_counts, self._plait_passes, self._plait_predivide
+        ready = self._plait_reducer.ready
+
         def hook(p: torch.Tensor) -> None:
-            self._plait_counts[name] += 1
-            if self._plait_counts[name] == self._plait_passes and p.grad is not None:
-                grad = p.grad.to_dense() if p.grad.is_sparse else p.grad  # reduced dense
-                if self._plait_predivide != 1.0:
-                    grad = grad / self._plait_predivide
-                self._plait_reducer.ready(name, grad)
-            elif self._plait_counts[name] > self._plait_passes:
+            n = counts[name] + 1
+            counts[name] = n
+            if n == passes:
+                grad = p.grad
+                if grad is None:
+                    return
+                if grad.is_sparse:
+                    grad = grad.to_dense()  # reduced dense
+                if predivide != 1.0:
+                    grad = grad / predivide
+                ready(name, grad)
+            elif n > passes:
                 raise RuntimeError(
-                    f"gradient of {name!r} was computed {self._plait_counts[name]} times before "
-                    f"step(); backward_passes_per_step={self._plait_passes}: call step() (or "
+                    f"gradient of {name!r} was computed {n} times before "
+                    f"step(); backward_passes_per_step={passes}: call step() (or "
                     "synchronize()) after that many backward passes, or raise it"
                 )
         return hook
 
+    def _plait_fuse(self, bucket: Bucket) -> torch.Tensor:
+        """The bucket's gradients copied into a buffer kept from step to step."""
+        grads = [bucket.grads[s.name].reshape(-1) for s in bucket.specs]
+        numel = sum(s.numel for s in bucket.specs)
+        first = grads[0]
+        buf = self._plait_buffers.get(bucket.index)
+        if buf is None or buf.numel() != numel or buf.dtype != first.dtype or buf.device != first.device:
+            buf = self._plait_buffers[bucket.index] = torch.empty(numel, dtype=first.dtype,
+                                                                  device=first.device)
+        if len(grads) == 1:
+            buf.copy_(grads[0])
+        else:
+            torch.cat(grads, out=buf)
+        return buf
+
     def synchronize(self) -> None:
-        """Wait for every gradient's allreduce and write the results into ``.grad``."""
+        """Wait for every gradient's allreduce and write the results into ``.grad``.
+
+        Without compression, ``.grad`` becomes a view of the bucket's reduced tensor
+        (no copy) where the dtype and device allow it.
+        """
         params = self._plait_params
 
         def missing(spec: GradSpec) -> torch.Tensor:
@@ -61,17 +90,30 @@ class _Distributed:
                 return torch.zeros_like(p)
             return p.grad.to_dense() if p.grad.is_sparse else p.grad
 
-        reduced = self._plait_reducer.finish(missing)
-        for name, grad in reduced.items():
-            p = params[name]
-            if self._plait_predivide != 1.0:
-                grad = grad * self._plait_predivide
-            if p.grad is None or p.grad.is_sparse:  # a sparse gradient comes back dense
-                p.grad = grad.to(p.dtype).clone()
-            else:
-                p.grad.copy_(grad)
-        for name in self._plait_counts:
-            self._plait_counts[name] = 0
+        buffers = self._plait_buffers
+        scale = self._plait_predivide
+        plain = self._plait_reducer.plain
+        with torch.no_grad():
+            for specs, fused in self._plait_reducer.finish_buckets(missing):
+                if scale != 1.0:
+                    fused = fused * scale
+                if len(specs) == 1 and fused.dim() != 1:
+                    parts = [fused]
+                else:
+                    parts = list(torch.split(fused.reshape(-1), [s.numel for s in specs]))
+                # a view is safe when the result of a plain allreduce is a tensor of its
+                # own (not one of our buffers, which the next step overwrites)
+                own = plain and not any(fused.data_ptr() == b.data_ptr() for b in buffers.values())
+                for spec, part in zip(specs, parts):
+                    p = params[spec.name]
+                    grad = part.reshape(spec.shape)
+                    if own and grad.dtype == p.dtype and grad.device == p.device:
+                        p.grad = grad
+                    elif p.grad is None or p.grad.is_sparse:  # a sparse gradient comes back dense
+                        p.grad = grad.to(p.dtype).clone()
+                    else:
+                        p.grad.copy_(grad)
+        self._plait_counts.update(self._plait_zeros)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
@@ -105,7 +147,7 @@ def distributed_optimizer(
     memory: Any = None,
     backward_passes_per_step: int = 1,
     op: str = "average",
-    bucket_mb: float = DEFAULT_BUCKET_MB,
+    bucket_mb: float | None = None,
     gradient_predivide_factor: float = 1.0,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over ``comm``.
@@ -119,7 +161,9 @@ def distributed_optimizer(
         memory: its error-feedback memory (e.g. ``plait.compression.Residual()``), or None.
         backward_passes_per_step: backward passes accumulated locally per step.
         op: "average" (default), "sum" or "adasum" (Horovod backend).
-        bucket_mb: fusion bucket size in MiB; 0 reduces each gradient alone.
+        bucket_mb: fusion bucket size in MiB; 0 reduces each gradient alone; None
+            (default): tuned in the first steps (``PLAIT_BUCKET_MB`` fixes it, see
+            :mod:`plait.parallel.autotune`).
         gradient_predivide_factor: divide gradients by this before the sum and
             multiply after (Horovod's pre/post scaling for large jobs).
 
@@ -150,10 +194,13 @@ def distributed_optimizer(
     cls: Any = type(type(optimizer).__name__, (_Distributed, type(optimizer)), {})
     dist: Any = cls.__new__(cls)
     dist.__dict__.update(optimizer.__dict__)
+    dist._plait_buffers = {}
     dist._plait_reducer = GradientReducer(comm, specs, op=op, bucket_mb=bucket_mb,
-                                          compression=compression, memory=memory, prefix="grad")
+                                          compression=compression, memory=memory, prefix="grad",
+                                          fuse=dist._plait_fuse, check_once=True)
     dist._plait_params = dict(named)
     dist._plait_counts = {n: 0 for n, _ in named}
+    dist._plait_zeros = dict(dist._plait_counts)
     dist._plait_passes = backward_passes_per_step
     dist._plait_skip = False
     dist._plait_predivide = float(gradient_predivide_factor)

@@ -45,7 +45,8 @@ class DataParallel:
             "residual"), or None; it needs a lossy ``compression``.
         mode: "sync" (allreduce every step) or "async" (see ``plait.parallel.asyncdp``).
         op: "average" (default) or "sum" (or "adasum" on the Horovod backend).
-        bucket_mb: fusion bucket size in MiB.
+        bucket_mb: fusion bucket size in MiB; None (default): tuned in the first steps
+            for torch (:mod:`plait.parallel.autotune`), 25 MiB for TensorFlow/Keras.
         backward_passes_per_step: local backward passes accumulated per step (torch, and
             Keras optimizers: every Nth ``apply`` reduces and applies the sum).
         comm: an existing communicator (e.g. the data axis of a :class:`Mesh`).
@@ -68,7 +69,7 @@ class DataParallel:
     """
 
     def __init__(self, backend: str | None = None, *, compression: Any = None, memory: Any = None,
-                 mode: str = "sync", op: str = "average", bucket_mb: float = DEFAULT_BUCKET_MB,
+                 mode: str = "sync", op: str = "average", bucket_mb: float | None = None,
                  backward_passes_per_step: int = 1, comm: Communicator | None = None,
                  **mode_options: Any) -> None:
         if mode not in MODES:
@@ -90,6 +91,11 @@ class DataParallel:
         if self._comm is None:
             self._comm = runtime.init(self.backend)
         return self._comm
+
+    @property
+    def _tf_bucket_mb(self) -> float:
+        """TensorFlow's bucket size (it is not tuned)."""
+        return DEFAULT_BUCKET_MB if self.bucket_mb is None else self.bucket_mb
 
     def _async(self) -> Any:
         return importlib.import_module("plait.parallel.asyncdp")
@@ -136,7 +142,7 @@ class DataParallel:
 
         return distributed_keras_optimizer(optimizer, self.comm, op=self.op,
                                            compression=compression, memory=memory,
-                                           bucket_mb=self.bucket_mb,
+                                           bucket_mb=self._tf_bucket_mb,
                                            backward_passes_per_step=self.passes)
 
     def tape(self, tape: Any) -> Any:
@@ -161,7 +167,7 @@ class DataParallel:
         from plait.adapters.tf_optim import DistributedGradientTape
 
         return DistributedGradientTape(tape, self.comm, op=self.op, compression=compression,
-                                       memory=memory, bucket_mb=self.bucket_mb)
+                                       memory=memory, bucket_mb=self._tf_bucket_mb)
 
     def broadcast(self, model: Any, optimizer: Any = None, root: int = 0) -> None:
         """Make every rank's model (and optimizer state) equal ``root``'s."""

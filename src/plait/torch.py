@@ -32,7 +32,6 @@ from ._face import _claim as claim_name
 from ._face_compression import Compression, Compressor
 from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .errors import HorovodInternalError
-from .parallel.data import DEFAULT_BUCKET_MB
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer",
@@ -291,7 +290,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     sparse_as_dense: bool = False,
     process_set: Any = None,
     *,
-    bucket_mb: float = DEFAULT_BUCKET_MB,
+    bucket_mb: float | None = None,
     memory: Any = None,
 ) -> Any:
     """Horovod's ``DistributedOptimizer``: gradients are averaged across ranks in fused,
@@ -312,7 +311,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         groups: Horovod's explicit allreduce groups (validated only).
         sparse_as_dense: plait reduces gradients dense (see the README).
         process_set: data-parallel sub-communicator (default: all ranks).
-        bucket_mb: fusion bucket size in MiB (0: no fusion).
+        bucket_mb: fusion bucket size in MiB (0: no fusion; None, the default: tuned in
+            the first steps, see :mod:`plait.parallel.autotune`).
         memory: error-feedback memory for ``compression`` (e.g. ``Residual()``).
 
     Returns:

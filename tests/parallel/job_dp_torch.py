@@ -40,13 +40,18 @@ def identical_on_all_ranks(comm, m: torch.nn.Module) -> None:
         assert torch.equal(everyone[r], mine), f"rank {r} diverged from rank {comm.rank}"
 
 
-def train(comm, steps: int, batch: int, passes: int, bucket_mb: float, make_opt, distributed: bool):
+TRAINED: list = []  # the last distributed optimizer of train()
+
+
+def train(comm, steps: int, batch: int, passes: int, bucket_mb: float | None, make_opt,
+          distributed: bool):
     x, y = digits()
     m = model()
     opt = make_opt(m.parameters())
     if distributed:
         opt = distributed_optimizer(opt, comm, m.named_parameters(), bucket_mb=bucket_mb,
                                     backward_passes_per_step=passes)
+        TRAINED[:] = [opt]
     loss_fn = torch.nn.CrossEntropyLoss()
     for step in range(steps):
         for k in range(passes):
@@ -69,11 +74,18 @@ OPTIMIZERS = {
 
 
 @pytest.mark.parametrize("opt", sorted(OPTIMIZERS))
-@pytest.mark.parametrize("bucket_mb", [0.0, 25.0])
+@pytest.mark.parametrize("bucket_mb", [0.0, 25.0, None])
 @pytest.mark.parametrize("passes", [1, 2])
-def test_matches_serial_training(comm, opt, bucket_mb, passes):
+def test_matches_serial_training(comm, opt, bucket_mb, passes, monkeypatch):
+    """bucket_mb=None: tuned, three candidates giving three different bucket plans
+    (one gradient each, two buckets, one) tried in steps 1-7, the choice from step 8."""
+    monkeypatch.setenv("PLAIT_AUTOTUNE_MB", "0,0.004,25")
+    monkeypatch.setenv("PLAIT_AUTOTUNE_STEPS", "1")
     batch = 12 * comm.size
     dist = train(comm, 12, batch, passes, bucket_mb, OPTIMIZERS[opt], distributed=True)
+    if bucket_mb is None:
+        reducer = TRAINED[0]._plait_reducer
+        assert reducer.tuner.choice in (0.0, 0.004, 25.0) and len(reducer._tried) == 3
     serial = train(comm, 12, batch, passes, bucket_mb, OPTIMIZERS[opt], distributed=False)
     torch.testing.assert_close(flat(dist), flat(serial), rtol=0, atol=1e-6)
 
@@ -169,7 +181,7 @@ class _SlowInput(torch.autograd.Function):
     MPI call, so only the communicator's progress thread can complete them."""
 
     watch: list[bool] = []
-    comm = None
+    comms: list = []
 
     @staticmethod
     def forward(ctx, x):
@@ -180,16 +192,18 @@ class _SlowInput(torch.autograd.Function):
         import time
 
         deadline = time.monotonic() + 20
-        comm = _SlowInput.comm
-        while comm._rings and time.monotonic() < deadline:
+        comms = _SlowInput.comms
+        while any(c._rings for c in comms) and time.monotonic() < deadline:
             time.sleep(0.01)
-        _SlowInput.watch.append(not comm._rings)
+        _SlowInput.watch.append(not any(c._rings for c in comms))
         return grad
 
 
 def test_buckets_reduce_while_backward_still_runs(comm):
     """Overlap, tested structurally: the gradients of the later layers (the first buckets)
-    are reduced before backward reaches the input, with nobody waiting on them."""
+    are reduced before backward reaches the input, with nobody waiting on them. Twice:
+    the first step checks the bucket plan on ``comm``, the second reduces on the
+    reducer's private unchecked communicator."""
     if comm.backend != "mpi":
         return  # Horovod's own background thread overlaps; nothing of plait's to test
     torch.manual_seed(0)
@@ -197,8 +211,14 @@ def test_buckets_reduce_while_backward_still_runs(comm):
     m = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(3)])
     opt = distributed_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), comm,
                                 m.named_parameters(), bucket_mb=(width + 1) * width * 4 / 2**20)
-    _SlowInput.comm, _SlowInput.watch = comm, []
+    _SlowInput.comms, _SlowInput.watch = [comm], []
     x = torch.randn(8, width, requires_grad=True)
     m(_SlowInput.apply(x)).sum().backward()
     opt.step()
-    assert _SlowInput.watch == [True], "started buckets were not reduced during backward"
+    opt.zero_grad()
+    fast = opt._plait_reducer._fast
+    assert fast is not None and not fast.check  # the plan was checked: the rest runs unchecked
+    _SlowInput.comms = [comm, fast]
+    m(_SlowInput.apply(x)).sum().backward()
+    opt.step()
+    assert _SlowInput.watch == [True, True], "started buckets were not reduced during backward"

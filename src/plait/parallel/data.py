@@ -13,11 +13,17 @@ that call :meth:`GradientReducer.ready` are framework code (in ``plait.adapters`
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from plait.adapters import ops_for
+from plait.collectives.timeline import span
 from plait.compression import (
     NoMemory,
     NoneCompressor,
@@ -28,6 +34,8 @@ from plait.compression import (
 from plait.compression.base import nbytes
 from plait.errors import invalid
 from plait.protocols import Communicator, Handle, Tensor
+
+from .autotune import BucketTuner, bucket_setting
 
 __all__ = ["DEFAULT_BUCKET_MB", "Bucket", "GradientReducer", "GradSpec", "plan_buckets"]
 
@@ -107,11 +115,20 @@ class GradientReducer:
         comm: the data-parallel communicator.
         specs: every gradient, in registration order (same on all ranks).
         op: "average" or "sum" (or any reduction the backend supports).
-        bucket_mb: fusion bucket size in MiB.
+        bucket_mb: fusion bucket size in MiB; None: tuned in the first steps
+            (:mod:`plait.parallel.autotune`; ``PLAIT_BUCKET_MB`` fixes it).
         compression: a compressor from :mod:`plait.compression`, one of its names
             ("fp16", ...), or None.
         memory: its error-feedback memory (or "residual"), or None.
         prefix: prefix of the names given to the collectives.
+        fuse: makes a bucket's flat tensor from its gradients (default: concatenate;
+            a framework can reuse a buffer). Used without compression only.
+        check_once: on the MPI backend with the agreement check on, check each bucket
+            plan in its first step only, then reduce on a private unchecked copy of
+            ``comm`` (its collectives meet only this reducer's, whose order and shapes
+            the checked step verified), so starting a bucket never waits for the
+            other ranks in the middle of backward. ``PLAIT_BUCKET_CHECK=always``
+            checks every step.
 
     Traffic is counted into ``compression.stats`` when the compressor has one
     (:meth:`~plait.compression.Compressor.count_into`; a :class:`NoneCompressor`
@@ -126,10 +143,10 @@ class GradientReducer:
     """
 
     def __init__(self, comm: Communicator, specs: Sequence[GradSpec], *, op: str = "average",
-                 bucket_mb: float = DEFAULT_BUCKET_MB, compression: Any = None,
-                 memory: Any = None, prefix: str = "grad") -> None:
-        if bucket_mb < 0:
-            raise invalid("bucket_mb", bucket_mb, "a size in MiB >= 0 (0: one gradient per bucket)")
+                 bucket_mb: float | None = DEFAULT_BUCKET_MB, compression: Any = None,
+                 memory: Any = None, prefix: str = "grad",
+                 fuse: Callable[[Bucket], Tensor] | None = None, check_once: bool = False) -> None:
+        start_mb, tune = bucket_setting(bucket_mb, DEFAULT_BUCKET_MB)
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
             dup = sorted({n for n in names if names.count(n) > 1})
@@ -145,47 +162,110 @@ class GradientReducer:
             raise invalid("op", op, f"'average' or 'sum' with compression={compression!r}")
         self._counted = False
         if compression is not None and hasattr(compression, "exchange"):
-            bucket_mb = 0  # e.g. PowerSGD: factorises each gradient in its own shape
-        self.buckets = [Bucket(i, b) for i, b in enumerate(plan_buckets(specs, bucket_mb * 2**20))]
-        self._where = {s.name: b for b in self.buckets for s in b.specs}
+            start_mb, tune = 0.0, False  # e.g. PowerSGD: factorises each gradient in its own shape
+        self._specs = list(specs)
+        self._fuse = fuse if self._plain else None
+        self.tuner = BucketTuner() if tune and comm.size > 1 else None
+        self._tried: list[list[list[str]]] = []
+        self.bucket_mb = start_mb
+        self._plan(self.tuner.current if self.tuner is not None else start_mb)
+        if self.tuner is not None:
+            self._same_plan(self.tuner.current)  # remember the first candidate's buckets
         self._next = 0
+        self._last: float | None = None
+        # checked once per plan: the private unchecked communicator, and whether the
+        # current plan already ran once (checked)
+        self._check_once = (check_once and self._plain and comm.size > 1
+                            and getattr(comm, "backend", "") == "mpi" and bool(getattr(comm, "check", False))
+                            and os.environ.get("PLAIT_BUCKET_CHECK", "once") != "always")
+        self._fast: Communicator | None = None
+        self._verified = False
+
+    def _plan(self, mb: float) -> None:
+        self.bucket_mb = mb
+        self.buckets = [Bucket(i, b) for i, b in enumerate(plan_buckets(self._specs, mb * 2**20))]
+        self._where = {s.name: b for b in self.buckets for s in b.specs}
+        self._verified = False
 
     @property
     def names(self) -> list[str]:
         return list(self._where)
 
+    @property
+    def plain(self) -> bool:
+        """True when buckets are plain allreduces (no compression, no error feedback)."""
+        return self._plain
+
     def ready(self, name: str, grad: Tensor) -> None:
         """Hand over a finished gradient; starts every bucket that can start now."""
         bucket = self._where[name]
         bucket.grads[name] = grad
-        self._start_ready()
+        if bucket.index == self._next and len(bucket.grads) == len(bucket.specs):
+            self._start_ready()
 
     def _start_ready(self) -> None:
         while self._next < len(self.buckets) and self.buckets[self._next].complete:
             self._start(self.buckets[self._next])
             self._next += 1
-        for b in self.buckets[: self._next]:  # drive progress of backends without a thread
-            if b.handle is not None:
-                b.handle.done()
 
     def _start(self, bucket: Bucket) -> None:
-        first = bucket.grads[bucket.specs[0].name]
-        ops = ops_for(first)
-        if len(bucket.specs) == 1:
-            fused = first  # alone: keeps its shape (matrix compressors need it)
-        else:
-            fused = ops.concat([ops.reshape(bucket.grads[s.name], [-1]) for s in bucket.specs])
         name = f"{self.prefix}.{bucket.index}"
+        comm = self._fast if self._verified and self._fast is not None else self.comm
+        if self._fuse is not None:
+            fused = self._fuse(bucket)
+            ops = ops_for(fused)
+        else:
+            first = bucket.grads[bucket.specs[0].name]
+            ops = ops_for(first)
+            if len(bucket.specs) == 1:
+                fused = first  # alone: keeps its shape (matrix compressors need it)
+            else:
+                fused = ops.concat([ops.reshape(bucket.grads[s.name], [-1]) for s in bucket.specs])
         self._counted = self.stats is not None and not ops.is_symbolic(fused)
         if self._plain:
-            bucket.handle = self.comm.allreduce_async(fused, op=self.op, name=name)
+            bucket.handle = comm.allreduce_async(fused, op=self.op, name=name)
             if self.stats is not None and self._counted:
                 size = nbytes(fused)
                 self.stats.record(name, size, size)
         else:
             bucket.compressed = compressed_allreduce(
-                self.comm, fused, name, self.compression, self.memory,
+                comm, fused, name, self.compression, self.memory,
                 average=self.op == "average")
+
+    def finish_buckets(self, missing: Callable[[GradSpec], Tensor]) -> list[tuple[list[GradSpec], Tensor]]:
+        """Start what is left (``missing(spec)`` supplies absent gradients), wait for all.
+
+        Closes the step of the traffic counter, if there is one; while tuning, times
+        the step and may change the buckets of the next one.
+
+        Returns:
+            ``(specs, reduced flat tensor)`` of every bucket (a bucket of one gradient
+            with a compressor: the tensor in its own shape).
+        """
+        for bucket in self.buckets[self._next:]:
+            for spec in bucket.specs:
+                if spec.name not in bucket.grads:
+                    bucket.grads[spec.name] = missing(spec)
+        self._start_ready()
+        out: list[tuple[list[GradSpec], Tensor]] = []
+        for bucket in self.buckets:
+            fused = bucket.handle.wait() if bucket.handle is not None else bucket.compressed
+            out.append((bucket.specs, fused))
+            bucket.grads.clear()
+            bucket.handle = bucket.compressed = None
+        self._next = 0
+        if self.stats is not None and self._counted:
+            self.stats.end_step()
+            self._counted = False
+        if not self._verified:
+            self._verified = True
+            if self._check_once and self._fast is None:
+                fast = self.comm.split(0, self.comm.rank)
+                fast.check = False  # type: ignore[attr-defined]
+                self._fast = fast
+        if self.tuner is not None and self.tuner.tuning and out:
+            self._tune(out[-1][1])
+        return out
 
     def finish(self, missing: Callable[[GradSpec], Tensor]) -> dict[str, Tensor]:
         """Start what is left (``missing(spec)`` supplies absent gradients), wait for all.
@@ -195,26 +275,69 @@ class GradientReducer:
         Returns:
             The reduced gradient of every name, shaped like its spec.
         """
-        for bucket in self.buckets[self._next:]:
-            for spec in bucket.specs:
-                if spec.name not in bucket.grads:
-                    bucket.grads[spec.name] = missing(spec)
-        self._start_ready()
         out: dict[str, Tensor] = {}
-        for bucket in self.buckets:
-            fused = bucket.handle.wait() if bucket.handle is not None else bucket.compressed
+        for specs, fused in self.finish_buckets(missing):
             ops = ops_for(fused)
-            sizes = [s.numel for s in bucket.specs]
+            sizes = [s.numel for s in specs]
             parts = [fused] if len(sizes) == 1 else ops.split(fused, sizes)
-            for spec, part in zip(bucket.specs, parts):
+            for spec, part in zip(specs, parts):
                 out[spec.name] = ops.reshape(part, spec.shape)
-            bucket.grads.clear()
-            bucket.handle = bucket.compressed = None
-        self._next = 0
-        if self.stats is not None and self._counted:
-            self.stats.end_step()
-            self._counted = False
         return out
+
+    # -- tuning the bucket size -------------------------------------------------------------
+    def _tune(self, like: Tensor) -> None:
+        """Time the step that just ended; move to the next candidate or decide."""
+        tuner = self.tuner
+        assert tuner is not None
+        now = time.perf_counter()
+        last, self._last = self._last, now
+        ops = ops_for(like)
+        if ops.is_symbolic(like):  # inside a graph: no timing, keep the size
+            tuner.choice = self.bucket_mb
+            return
+        if last is None or not tuner.observe(now - last):
+            return
+        while not tuner.measured and self._same_plan(tuner.current):
+            tuner.drop_current()
+        if not tuner.measured:
+            self._plan(tuner.current)
+            return
+        mine = np.array(tuner.medians(), dtype=np.float64)
+        agreed = ops.to_numpy(self.comm.allreduce(ops.from_numpy(mine, like), op="max",
+                                                  name=f"{self.prefix}.autotune"))
+        chosen = tuner.decide([float(x) for x in agreed])
+        self._report(chosen, [float(x) for x in agreed])
+        if chosen != self.bucket_mb:
+            self._plan(chosen)
+
+    def _same_plan(self, mb: float) -> bool:
+        """Whether ``mb`` gives the buckets of a size already tried (then it is skipped)."""
+        plan = [[s.name for s in b] for b in plan_buckets(self._specs, mb * 2**20)]
+        if plan in self._tried:
+            return True
+        self._tried.append(plan)
+        return False
+
+    def _report(self, chosen: float, agreed: list[float]) -> None:
+        """Print the choice on rank 0 and record it in the timeline."""
+        assert self.tuner is not None
+        tried = {f"{c:g}": round(t * 1e3, 2) for c, t in zip(self.tuner.candidates, agreed)
+                 if t != float("inf")}
+        sizes = [sum(s.numel * _ITEMSIZE.get(s.dtype, 4) for s in b.specs)
+                 for b in self.buckets] if chosen == self.bucket_mb else []
+        algorithm = ""
+        if hasattr(self.comm, "algorithm") and self._specs:
+            big = max(sizes, default=int(chosen * 2**20))
+            algorithm = str(self.comm.algorithm("allreduce", big, self._specs[0].dtype))
+        with span(f"autotune bucket_mb={chosen:g}", cat="autotune", bucket_mb=chosen,
+                  step_ms_by_bucket_mb=tried, algorithm=algorithm):
+            pass
+        if self.comm.rank == 0:
+            steps = ", ".join(f"{k} MiB {v:.1f} ms" for k, v in tried.items())
+            how = f"; MPI allreduce algorithm: {algorithm}" if algorithm else ""
+            print(f"plait: gradient bucket size {chosen:g} MiB, tuned over the first steps "
+                  f"(median step time by size: {steps}){how}; set PLAIT_BUCKET_MB or bucket_mb= "
+                  "to fix it", file=sys.stderr, flush=True)
 
     @property
     def pending(self) -> bool:
