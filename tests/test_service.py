@@ -205,7 +205,8 @@ def test_queue_cancel_and_failure(small: Server) -> None:
     assert "rank 1 exited with status 3" in s.message
     assert "rank 1 fails" in small.logs(failing, 1)
     # cancelling a finished job leaves it as it was
-    assert small.stub.Cancel(pb.CancelRequest(job_id=failing), metadata=small.md, timeout=30).state == pb.FAILED
+    again = small.stub.Cancel(pb.CancelRequest(job_id=failing), metadata=small.md, timeout=30)
+    assert again.state == pb.FAILED
 
 
 def test_store_survives_kill_9(small: Server) -> None:
@@ -228,7 +229,8 @@ def test_group_jobs(group_jobs: tuple[Server, dict[str, str]]) -> None:
     server, jobs = group_jobs
     status = {kind: server.wait(job_id, timeout=300) for kind, job_id in jobs.items()}
     for kind, s in status.items():
-        detail = f"{kind}: {s}\n" + "\n".join(server.logs(s.job_id, r)[-2000:] for r in range(len(s.exit_codes)))
+        logs = [server.logs(s.job_id, r)[-2000:] for r in range(len(s.exit_codes))]
+        detail = f"{kind}: {s}\n" + "\n".join(logs)
         assert s.state == pb.SUCCEEDED, detail
         assert [e.exit_code for e in s.exit_codes] == [0] * (s.instances * s.processes_per_worker), detail
         assert s.started_at >= s.created_at > 0 and s.finished_at >= s.started_at
@@ -252,3 +254,35 @@ def test_group_jobs(group_jobs: tuple[Server, dict[str, str]]) -> None:
     assert out.returncode == 0 and json.loads(out.stdout)["state"] == "SUCCEEDED"
     text = server.cli("status", torch.job_id).stdout
     assert "succeeded" in text and "exit codes: rank0=0 rank1=0" in text and "step 3" in text
+
+
+def test_jobs_on_emulated_hosts(tmp_path: Path) -> None:
+    """The hosts backend over two emulated hosts (network namespaces), reached through their agent."""
+    from plait.testing.netns import EmulatedHosts, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason is not None:
+        pytest.skip(reason)
+    with EmulatedHosts(2, subnet="10.77.9", slots=2) as hosts:
+        server = Server(tmp_path / "work", "--hostfile", hosts.hostfile, "--agent", hosts.agent,
+                        "--network-interface", hosts.cidr)
+        try:
+            torch = server.train("torch_group.py", "torch", 2)
+            mpi = server.train("plait_mpi.py", "mpi", 2)
+            doomed = server.train("sleeper.py", "mpi", 2, args=("600", "svc-marker-emu"))
+            for job_id, line in ((torch, "torch rank {r}/2 group of 2 via {h0}:"),
+                                 (mpi, "plait rank {r}/2 backend mpi sum=3 on {h}")):
+                s = server.wait(job_id)
+                assert s.state == pb.SUCCEEDED and list(s.workers) == hosts.hosts, s
+                for r in (0, 1):
+                    log = server.logs(job_id, r)
+                    assert line.format(r=r, h0=hosts.hosts[0], h=hosts.hosts[r]) in log, log[-2000:]
+                    assert log.rstrip().endswith(f"on {hosts.hosts[r]}"), log[-2000:]
+            server.wait(doomed, {pb.RUNNING})
+            deadline = time.monotonic() + 60
+            while len(_pids_with("svc-marker-emu")) < 4 and time.monotonic() < deadline:
+                time.sleep(0.2)  # 2 bootstraps + 2 sleepers, one pair per host
+            assert server.stub.Cancel(pb.CancelRequest(job_id=doomed), timeout=60).state == pb.CANCELLED
+            assert _pids_with("svc-marker-emu") == [] and _pids_with(hosts.prefix + "-h1") == []
+        finally:
+            server.close()

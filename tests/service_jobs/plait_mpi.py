@@ -4,6 +4,7 @@ Rank 0 reports progress; every rank prints its place. Exits non-zero with a mess
 """
 
 import os
+import socket
 import sys
 
 import numpy as np
@@ -20,5 +21,6 @@ if float(np.asarray(out)[0]) != comm.size * (comm.size + 1) / 2:
     sys.exit(f"allreduce gave {out}")
 report(step=2, loss=0.5)
 total = float(np.asarray(out)[0])
-print(f"plait rank {comm.rank}/{comm.size} backend {comm.backend} sum={total:g}", flush=True)
+print(f"plait rank {comm.rank}/{comm.size} backend {comm.backend} sum={total:g} on {socket.gethostname()}",
+      flush=True)
 plait.shutdown()

@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import sys
 
 import tensorflow as tf
@@ -20,4 +21,4 @@ if total != len(workers) * (len(workers) + 1) / 2:
 from plait.progress import report  # noqa: E402
 
 report(step=1, loss=0.1)
-print(f"tf worker {index}/{len(workers)} sum={total:g}", flush=True)
+print(f"tf worker {index}/{len(workers)} sum={total:g} on {socket.gethostname()}", flush=True)

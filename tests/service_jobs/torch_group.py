@@ -4,6 +4,7 @@ Rank 0 saves a model and reports it as the artifact. Exits non-zero with a messa
 """
 
 import os
+import socket
 import sys
 
 import torch
@@ -29,5 +30,6 @@ if rank == 0:
     torch.save({"w": t}, path)
     report(artifact=path)
 print(f"torch rank {rank}/{size} group of {dist.get_world_size()} via "
-      f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} sum={t.item():g}", flush=True)
+      f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']} sum={t.item():g} on {socket.gethostname()}",
+      flush=True)
 dist.destroy_process_group()

@@ -212,18 +212,26 @@ class HostsBackend:
 
     # -- slots ---------------------------------------------------------------------------
     def allocate(self, spec: JobSpec) -> list[str] | None:
-        """Take slots for every worker of ``spec`` (filling hosts in order); ``None`` if they do not fit."""
+        """Take slots for every worker of ``spec``; ``None`` if they do not fit.
+
+        Workers are spread over the hosts round-robin (one per host before a second on any),
+        then listed in host order, so that worker ``i`` runs ranks ``i*P .. i*P+P-1`` as
+        ``mpirun --map-by slot`` places them.
+        """
         with self._lock:
             free = dict(self._free)
-            workers: list[str] = []
-            for h in self.hosts:
-                while len(workers) < spec.instances and free[h.host] >= spec.processes_per_worker:
-                    free[h.host] -= spec.processes_per_worker
-                    workers.append(h.host)
-            if len(workers) < spec.instances:
-                return None
+            count = {h.host: 0 for h in self.hosts}
+            placed = 0
+            while placed < spec.instances:
+                room = [h.host for h in self.hosts if free[h.host] >= spec.processes_per_worker]
+                if not room:
+                    return None
+                for host in room[: spec.instances - placed]:
+                    free[host] -= spec.processes_per_worker
+                    count[host] += 1
+                    placed += 1
             self._free = free
-            return workers
+            return [h.host for h in self.hosts for _ in range(count[h.host])]
 
     def reserve(self, workers: Sequence[str], per_worker: int) -> None:
         """Take the slots of an adopted job (it runs since before a restart)."""
