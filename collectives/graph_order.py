@@ -204,10 +204,12 @@ class OrderedCall:
 
     Args:
         fn: the host function (runs the collective on numpy arrays).
-        coordinator: gives the coordinator of the communicator, on first use.
+        coordinator: gives the coordinator of the communicator, on first use (None: a
+            backend that orders collectives itself; the call only gets a key).
     """
 
-    def __init__(self, fn: Callable[..., Any], coordinator: Callable[[], Coordinator]) -> None:
+    def __init__(self, fn: Callable[..., Any],
+                 coordinator: Callable[[], Coordinator] | None) -> None:
         self.fn, self._coordinator = fn, coordinator
         self.key: int | None = None
         self.label = "a collective"
@@ -217,7 +219,7 @@ class OrderedCall:
         self.key, self.label = int(key), label
 
     def __call__(self, *arrays: Any) -> Any:
-        if self.key is None:
+        if self.key is None or self._coordinator is None:
             return self.fn(*arrays)
         shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in arrays if hasattr(a, "shape"))
         return self._coordinator().run(self.key, lambda: self.fn(*arrays),
@@ -261,8 +263,9 @@ def coordinator_of(comm: Any) -> Coordinator:
 
 def ordered(comm: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
     """``fn`` (a graph op's host function running a collective on ``comm``) wrapped so
-    that its collective runs in the order all ranks agree on; ``fn`` itself for a
-    group of one or a backend with its own ordering (Horovod's coordinator).
+    that its collective runs in the order all ranks agree on (on a backend with its
+    own ordering, Horovod's coordinator, the call is only keyed, which makes a TF1
+    graph chain it); ``fn`` itself for a group of one.
 
     Args:
         comm: the communicator.
@@ -271,6 +274,8 @@ def ordered(comm: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
     Returns:
         An :class:`OrderedCall` (the adapter binds its key while building the op), or ``fn``.
     """
-    if comm.size < 2 or getattr(comm, "backend", None) != "mpi":
+    if comm.size < 2:
         return fn
+    if getattr(comm, "backend", None) != "mpi":
+        return OrderedCall(fn, None)  # keyed (a TF1 graph chains it), run directly
     return OrderedCall(fn, lambda: coordinator_of(comm))

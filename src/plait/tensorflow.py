@@ -20,8 +20,10 @@ from ._face import (
     check_groups,
     elastic_attribute,
     gradient_compression,
+    keep_shape,
     reduce_tensor,
     resolve_op,
+    scale,
 )
 from ._face import _claim as claim_name
 from ._face_compression import Compression, Compressor
@@ -58,7 +60,7 @@ cuda_built, rocm_built, ddl_built, is_homogeneous = (_F.cuda_built, _F.rocm_buil
                                                      _F.is_homogeneous)
 mpi_enabled, gloo_enabled = _F.mpi_enabled, _F.gloo_enabled
 join, start_timeline, stop_timeline = _F.join, _F.start_timeline, _F.stop_timeline
-grouped_allreduce, allgather, broadcast = _F.grouped_allreduce, _F.allgather, _F.broadcast
+allgather, broadcast = _F.allgather, _F.broadcast
 grouped_allgather, grouped_reducescatter = _F.grouped_allgather, _F.grouped_reducescatter
 alltoall, reducescatter, barrier = _F.alltoall, _F.reducescatter, _F.barrier
 broadcast_object, allgather_object = _F.broadcast_object, _F.allgather_object
@@ -115,6 +117,35 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
     claim_name(name)
     return reduce_tensor(_F.comm(process_set), tensor, resolve_op(average, op), name, compression,
                          prescale_factor, postscale_factor)
+
+
+def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, device_dense: str = "",
+                      device_sparse: str = "", compression: Any = Compression.none,
+                      op: str | None = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: Any = None,
+                      name: str | None = None) -> list[Any]:
+    """Reduce several tensors over ranks (Horovod's signature; device arguments are
+    ignored): one fused collective per dtype, eagerly and inside graphs (one host op).
+
+    With a compressor other than ``Compression.none`` each tensor is reduced (and
+    compressed) on its own, as :func:`allreduce` does.
+
+    Raises:
+        ConfigError: when an operation of the same ``name`` is still in flight.
+    """
+    from plait.adapters.tf_collectives import fused_allreduce
+
+    from ._face_compression import to_plait
+
+    claim_name(name)
+    tensors, how = list(tensors), resolve_op(average, op)
+    comm = _F.comm(process_set)
+    compressor = to_plait(compression)
+    if compressor is not None and type(compressor).__name__ != "NoneCompressor":
+        return [reduce_tensor(comm, t, how, None if name is None else f"{name}.{i}", compression,
+                              prescale_factor, postscale_factor) for i, t in enumerate(tensors)]
+    outs = fused_allreduce(comm, [scale(t, prescale_factor) for t in tensors], how, name)
+    return [keep_shape(t, scale(o, postscale_factor)) for t, o in zip(tensors, outs)]
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: Any = None) -> None:
