@@ -59,10 +59,11 @@ class TFOps:
         return tuple(int(d) if d is not None else -1 for d in unwrap(x).shape)
 
     def is_symbolic(self, x: Any) -> bool:
-        x = unwrap(x)
-        if isinstance(x, tf.Variable):
-            return not tf.executing_eagerly()
-        return bool(tf.is_symbolic_tensor(x))
+        """True inside a graph being built, also for an eager tensor captured there (a
+        collective on it must run with the graph, not once while tracing)."""
+        if not tf.executing_eagerly():
+            return True
+        return bool(tf.is_symbolic_tensor(unwrap(x)))
 
     def to_numpy(self, x: Any) -> np.ndarray:
         a = np.ascontiguousarray(unwrap(x).numpy())
@@ -83,7 +84,8 @@ class TFOps:
 
         When ``fn`` has a ``bind`` method (an :class:`~plait.collectives.graph_order.OrderedCall`),
         it gets the op's key: the op's position among the collective host ops of the
-        outermost graph being built, and that graph's name (see :func:`graph_position`).
+        outermost graph being built, and that graph's name (see :func:`graph_position`),
+        and whether the graph runs such ops in the order they were built.
         In a TF1 ``tf.Graph`` such ops also run in the order they were built (each has a
         control dependency on the previous one), as ``tf.function`` runs stateful ops in
         program order: a session runs independent ops in several threads, and host ops
@@ -103,7 +105,10 @@ class TFOps:
         if bind is not None and position is not None:
             from plait.collectives.graph_order import graph_key
 
-            bind(graph_key(*position), f"{position[0]}/{out.op.name}")
+            # built in order: a TF1 graph's chain, or a tf.function's automatic control
+            # dependencies (stateful ops run in program order); not a TF1 cond branch
+            in_order = chained or position[2]
+            bind(graph_key(*position[:2]), f"{position[0]}/{out.op.name}", in_order)
         if same_shape:
             out.set_shape(like.shape)
         else:
@@ -194,9 +199,10 @@ _POSITIONS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _LAST_OP: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
-def graph_position() -> tuple[str, int] | None:
-    """Name of the outermost graph being built and the number of collective host ops
-    built in it so far (then counts this one); None when executing eagerly.
+def graph_position() -> tuple[str, int, bool] | None:
+    """Name of the outermost graph being built, the number of collective host ops
+    built in it so far (then counts this one), and whether that graph is a
+    ``tf.function``; None when executing eagerly.
 
     Equal on every rank that builds the same graphs: names of ``tf.function`` graphs
     are their Python function's name (nested ``tf.cond``/``while`` graphs count in their
@@ -213,7 +219,8 @@ def graph_position() -> tuple[str, int] | None:
         graph = outer
     index = _POSITIONS.get(graph, 0)
     _POSITIONS[graph] = index + 1
-    return str(getattr(graph, "name", None) or "graph"), index
+    function = bool(getattr(graph, "building_function", False))
+    return str(getattr(graph, "name", None) or "graph"), index, function
 
 
 def collective_function(

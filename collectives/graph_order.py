@@ -1,28 +1,36 @@
 """Collectives inside a TensorFlow graph, run in an order every rank agrees on.
 
 TensorFlow's executor runs independent ops in any order, and in several threads
-at once (a TF1 session does; ``tf.function`` chains stateful ops in program
-order). A host op that calls a collective directly would then pair with a
-different collective on another rank. Here, as in Horovod's coordinator, each
-graph host op has a *key* fixed when the graph is built (the same on every rank
-that builds the same graph), and its host call only announces the key and waits:
-the ranks exchange the keys they have ready (one small allgather, a
-*negotiation round*), run every collective ready on all ranks, in rank 0's
-order, and hand each result to the host call that is waiting for it.
+at once (a TF1 session does). A host op that calls a collective directly would
+then pair with a different collective on another rank (``MPI_ERR_TRUNCATE``,
+then a hang). Two mechanisms, chosen per op when the graph is built:
 
-There is no coordinator thread: a waiting host call runs the rounds itself (one
-thread at a time), and the round also runs the collectives other threads are
-waiting for. A rank joins a round only while it has collectives waiting, so the
-rounds pair up like any collective. When every rank has collectives waiting but
-none is waiting on all of them for :func:`mismatch_seconds` seconds, the ranks
-built different graphs (or called different collectives): every waiting host
-call raises :class:`~plait.errors.MismatchError` on every rank, naming what
-each rank waits for. Ranks decide from the exchanged rows only, so they decide
-alike.
+* *Build order.* ``tf.function`` runs stateful ops (plait's host ops are) in
+  program order, and the TensorFlow adapter chains plait's host ops of a TF1
+  ``tf.Graph`` by control dependencies in the order they were built. Every rank
+  then runs them in the same order, with no extra message (the default for these
+  ops; a mismatch is caught by the collective's own agreement check).
+* *Negotiation by key* (Horovod's coordinator), for ops whose graph does not fix
+  the order (a ``tf.cond`` branch inside a TF1 graph), or for every graph op with
+  ``PLAIT_GRAPH_ORDER=negotiate`` (graphs run concurrently by several threads).
+  Each host op has a *key* fixed when the graph is built (outermost graph name
+  and position, the same on every rank that builds the same graph); its host
+  call announces the key and waits: the ranks exchange the keys they have ready
+  (one small allgather, a *negotiation round*), run every collective ready on all
+  ranks, in rank 0's order, and hand each result to the host call waiting for it.
+  There is no coordinator thread: a waiting host call runs the rounds itself (one
+  thread at a time), and a round also runs the collectives other threads wait
+  for. A rank joins a round only while it has collectives waiting, so rounds pair
+  up like any collective. When every rank has collectives waiting but none is
+  waiting on all of them for :func:`mismatch_seconds` seconds (different graphs,
+  or host calls blocked in different collectives holding every executor thread),
+  every waiting host call raises :class:`~plait.errors.MismatchError` on every
+  rank, naming what each rank waits for. Ranks decide from the exchanged rows
+  only, so they decide alike.
 
 Framework-free and MPI-free: the MPI backend supplies the exchange (an allgather
 on its ring communicator, bounded by its timeout); the TensorFlow adapter
-supplies the keys (graph name and position in the graph).
+supplies the keys.
 """
 
 from __future__ import annotations
@@ -38,8 +46,8 @@ import numpy as np
 
 from plait.errors import MismatchError
 
-__all__ = ["MISMATCH_S", "ROW", "Coordinator", "OrderedCall", "graph_key", "mismatch_seconds",
-           "ordered"]
+__all__ = ["MISMATCH_S", "ROW", "Coordinator", "OrderedCall", "graph_key", "graph_order",
+           "mismatch_seconds", "ordered"]
 
 #: int64 entries of a negotiation row: count, flags, then up to ``ROW - 2`` keys.
 ROW = 128
@@ -67,6 +75,22 @@ def mismatch_seconds() -> float:
         value = -1.0
     if not value > 0:
         raise invalid("PLAIT_GRAPH_MISMATCH_S", raw, "a positive number of seconds")
+    return value
+
+
+def graph_order() -> str:
+    """``PLAIT_GRAPH_ORDER``: "auto" (default: negotiate the order of graph collectives
+    only where the graph does not already run them in build order) or "negotiate"
+    (every graph collective; for graphs run concurrently by several threads).
+
+    Raises:
+        ConfigError: for another value.
+    """
+    from plait.errors import invalid
+
+    value = os.environ.get("PLAIT_GRAPH_ORDER", "auto").strip().lower() or "auto"
+    if value not in ("auto", "negotiate"):
+        raise invalid("PLAIT_GRAPH_ORDER", value, "'auto' or 'negotiate'")
     return value
 
 
@@ -213,13 +237,17 @@ class OrderedCall:
         self.fn, self._coordinator = fn, coordinator
         self.key: int | None = None
         self.label = "a collective"
+        self.negotiate = True
 
-    def bind(self, key: int, label: str) -> None:
-        """Fix this op's key (:func:`graph_key`) and its name in errors."""
+    def bind(self, key: int, label: str, in_order: bool = False) -> None:
+        """Fix this op's key (:func:`graph_key`), its name in errors, and whether its
+        graph runs such ops in the order they were built on every rank (then, unless
+        ``PLAIT_GRAPH_ORDER=negotiate``, it needs no negotiation round)."""
         self.key, self.label = int(key), label
+        self.negotiate = not in_order or graph_order() == "negotiate"
 
     def __call__(self, *arrays: Any) -> Any:
-        if self.key is None or self._coordinator is None:
+        if self.key is None or self._coordinator is None or not self.negotiate:
             return self.fn(*arrays)
         shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in arrays if hasattr(a, "shape"))
         return self._coordinator().run(self.key, lambda: self.fn(*arrays),

@@ -324,7 +324,7 @@ def test_tf1_session_twenty_independent_allreduces_fifty_times(comm, grouped):
                 _check_sums(comm, sess.run(outs))
 
 
-def test_tf_function_twenty_allreduces_and_a_cond_fifty_times(comm):
+def test_tf_function_twenty_allreduces_and_a_cond_twenty_times(comm):
     @tf.function
     def step(flag, *xs):
         outs = [comm.allreduce(x * 1, op="sum") for x in xs]
@@ -332,19 +332,45 @@ def test_tf_function_twenty_allreduces_and_a_cond_fifty_times(comm):
         return outs, extra
 
     xs = _graph_inputs(comm)
-    for i in range(50):
+    for i in range(20):
         outs, extra = step(tf.constant(i % 2), *xs)
         _check_sums(comm, outs)
         np.testing.assert_array_equal(extra.numpy(), np.asarray(outs[0]) * 2 * (i % 2))
 
 
-def test_graph_mismatch_raises_on_every_rank_within_seconds(comm):
+@pytest.mark.parametrize("order", ["auto", "negotiate"])
+def test_tf1_session_allreduces_in_a_negotiated_order(comm, order, monkeypatch):
+    """The same graph with every op negotiated by key (PLAIT_GRAPH_ORDER=negotiate)."""
+    if comm.backend != "mpi":
+        pytest.skip("Horovod's own coordinator orders its ops on the Horovod backend")
+    from plait.collectives.graph_order import coordinator_of
+
+    monkeypatch.setenv("PLAIT_GRAPH_ORDER", order)
+    before = coordinator_of(comm).rounds
+    with tf.Graph().as_default():
+        outs = [comm.allreduce(x * 1, op="sum") for x in _graph_inputs(comm)]
+        with tf.compat.v1.Session() as sess:
+            for _ in range(5):
+                _check_sums(comm, sess.run(outs))
+    rounds = coordinator_of(comm).rounds - before
+    assert rounds == 0 if order == "auto" else rounds >= 5 * len(outs)
+
+
+def test_graph_mismatch_raises_on_every_rank_within_seconds(comm, monkeypatch):
     """Ranks running different graph collectives get MismatchError on every rank (not a
-    hang), and the communicator works afterwards."""
+    hang), and the communicator works afterwards: negotiated keys that never match
+    (differently named graphs), and build-ordered collectives of different shapes."""
     if comm.backend != "mpi":
         pytest.skip("Horovod's own coordinator orders graph ops on the Horovod backend")
     from plait.collectives.graph_order import coordinator_of
 
+    @tf.function
+    def one(x):
+        return comm.allreduce(x, op="sum")
+
+    with pytest.raises(tf.errors.OpError, match="MismatchError"):
+        one(tf.ones([3 + comm.rank]))  # build order: the agreement check catches it
+    monkeypatch.setenv("PLAIT_GRAPH_ORDER", "negotiate")
     coordinator_of(comm).mismatch_s = 1.0
 
     @tf.function
