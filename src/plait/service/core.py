@@ -20,19 +20,48 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 from plait.errors import invalid
 from plait.service.bootstrap import log_path
-from plait.service.hosts import HostsBackend, Launched
 from plait.service.spec import INSTANCES_KEY, JobSpec, make_spec
 from plait.service.store import Job, JobStore
 
-__all__ = ["ABORT_GRACE_S", "Service", "job_env"]
+__all__ = ["ABORT_GRACE_S", "Backend", "Handle", "Service", "job_env"]
 
 #: Seconds the other ranks get to exit after one failed, before they are killed.
 ABORT_GRACE_S = 10.0
 _POLL_S = 0.2
+
+
+class Handle(Protocol):
+    """A started job, as a backend reports on it (:class:`~plait.service.hosts.Launched`)."""
+
+    pgids: list[int]
+
+    def poll(self) -> bool: ...
+    def failed_rank(self) -> tuple[int, int] | None: ...
+    def exit_codes(self, final: bool = True) -> dict[int, int]: ...
+    def launcher_code(self) -> int | None: ...
+    def kill(self) -> None: ...
+
+
+class Backend(Protocol):
+    """Where jobs run: :class:`~plait.service.hosts.HostsBackend` or
+    :class:`~plait.service.kubernetes.KubernetesBackend`."""
+
+    name: str
+
+    @property
+    def capacity(self) -> int: ...
+    def free_slots(self) -> int: ...
+    def allocate(self, spec: JobSpec) -> list[str] | None: ...
+    def reserve(self, workers: list[str], per_worker: int) -> None: ...
+    def release(self, workers: list[str], per_worker: int, ports: list[int] = ...) -> None: ...
+    def endpoints(self, spec: JobSpec, workers: list[str]) -> list[str]: ...
+    def launch(self, job_id: str, spec: JobSpec, workers: list[str], job_env: dict[str, str],
+               job_dir: str, endpoints: list[str]) -> Handle: ...
+    def adopt(self, job_id: str, spec: JobSpec, pgids: list[int], job_dir: str) -> Handle | None: ...
 
 
 def job_env(job_id: str, spec: JobSpec, job_dir: str) -> dict[str, str]:
@@ -66,7 +95,7 @@ class Service:
         abort_grace: see :data:`ABORT_GRACE_S`.
     """
 
-    def __init__(self, store: JobStore, backend: HostsBackend, code_dir: str, work_dir: str,
+    def __init__(self, store: JobStore, backend: Backend, code_dir: str, work_dir: str,
                  abort_grace: float = ABORT_GRACE_S) -> None:
         if not os.path.isdir(code_dir):
             raise invalid("code_dir", code_dir, "an existing directory")
@@ -219,8 +248,10 @@ class Service:
         self._watch(job.id, spec, workers, ports, launched)
 
     def _adopt(self, job: Job) -> None:
-        launched = Launched([], list(job.pgids), job.spec.world_size, self.job_dir(job.id))
-        if not job.pgids:
+        launched = None
+        if job.state == "running":
+            launched = self.backend.adopt(job.id, job.spec, list(job.pgids), self.job_dir(job.id))
+        if launched is None:
             self.store.update(job.id, state="failed", finished=time.time(),
                               message="the service stopped while launching the job")
             return
@@ -248,7 +279,7 @@ class Service:
         return offset + end
 
     def _watch(self, job_id: str, spec: JobSpec, workers: list[str], ports: list[int],
-               launched: Launched) -> None:
+               launched: Handle) -> None:
         job_dir = self.job_dir(job_id)
         progress_file = os.path.join(job_dir, "progress.jsonl")
         with self._lock:

@@ -233,6 +233,10 @@ class HostsBackend:
             self._free = free
             return [h.host for h in self.hosts for _ in range(count[h.host])]
 
+    def adopt(self, job_id: str, spec: JobSpec, pgids: Sequence[int], job_dir: str) -> Launched | None:
+        """Watch a job started by a previous service (its process groups); ``None`` without any."""
+        return Launched([], list(pgids), spec.world_size, job_dir) if pgids else None
+
     def reserve(self, workers: Sequence[str], per_worker: int) -> None:
         """Take the slots of an adopted job (it runs since before a restart)."""
         with self._lock:

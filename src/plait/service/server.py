@@ -33,8 +33,9 @@ from plait.errors import ConfigError
 from plait.launch.hostfile import HostSlots, parse_hostfile, parse_hosts
 from plait.service import training_pb2 as pb
 from plait.service import training_pb2_grpc as pb_grpc
-from plait.service.core import Service
+from plait.service.core import Backend, Service
 from plait.service.hosts import HostsBackend
+from plait.service.kubernetes import KubernetesBackend
 from plait.service.spec import CapacityError
 from plait.service.store import STATES, Job, JobStore, UnknownJobError
 
@@ -215,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="command that starts a process on another host: CMD HOST 'COMMAND' (e.g. ssh)")
     p.add_argument("--network-interface", metavar="IF", help="interface or CIDR for MPI traffic")
     p.add_argument("--token-file", metavar="FILE", help="require this token from clients")
+    p.add_argument("--backend", choices=("hosts", "kubernetes"), default="hosts",
+                   help="hosts (default) or kubernetes (kubectl's current context; needs --image)")
+    p.add_argument("--image", help="kubernetes: the container image of the workers")
+    p.add_argument("--image-code-dir", default="/code",
+                   help="kubernetes: where --code-dir's content is in the image (default /code)")
+    p.add_argument("--namespace", default="default", help="kubernetes: namespace of the jobs")
     p.add_argument("--abort-grace", type=float, default=10.0, metavar="S",
                    help="seconds the other ranks get after one failed (default 10)")
     return p
@@ -247,8 +254,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                 token = f.read().strip()
             if not token:
                 raise ConfigError(f"invalid --token-file={args.token_file!r}: the file is empty")
-        backend = HostsBackend(_hosts(args), shlex.split(args.agent) if args.agent else None,
-                               args.network_interface)
+        backend: Backend
+        if args.backend == "kubernetes":
+            if not args.image:
+                raise ConfigError("invalid --image=None: the kubernetes backend needs the workers' image")
+            slots = args.slots if args.slots is not None else 8
+            backend = KubernetesBackend(slots, args.image, args.code_dir, args.image_code_dir, args.namespace)
+        else:
+            backend = HostsBackend(_hosts(args), shlex.split(args.agent) if args.agent else None,
+                                   args.network_interface)
         work_dir = os.path.abspath(args.work_dir)
         store = JobStore(args.store or os.path.join(work_dir, "jobs.db"))
         service = Service(store, backend, args.code_dir, work_dir, abort_grace=args.abort_grace)
@@ -258,7 +272,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"plait serve: error: {exc}", file=sys.stderr)
         return 2
     host = args.listen.rpartition(":")[0]
-    print(f"plait serve: listening on {host}:{port} (backend hosts, {backend.capacity} slots, "
+    print(f"plait serve: listening on {host}:{port} (backend {backend.name}, {backend.capacity} slots, "
           f"store {store.path})", flush=True)
     stopped = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
