@@ -10,9 +10,9 @@ changes on the machine hit all of them alike):
 * ``horovod``: raw ``horovod.torch.allreduce``;
 * ``gloo``: ``torch.distributed.all_reduce`` on the gloo backend.
 
-Float32 torch tensors, op sum. Latency of a sample = the mean over ``iters``
-back-to-back calls, the slowest rank's; bus bandwidth = bytes * 2(n-1)/n / latency
-(the nccl-tests convention). Reported: min/median/max over repeats.
+Float32 torch tensors, op sum. Latency of a sample = the mean over back-to-back
+calls (as many as fill about 20 ms, 50 ms in the full run), the slowest rank's;
+bus bandwidth = bytes * 2(n-1)/n / latency (the nccl-tests convention). Reported: min/median/max over repeats.
 
 Run: ``python benchmarks/allreduce.py [--quick] [--out BASE]``.
 """
@@ -47,19 +47,13 @@ QUICK_SIZES = [4, 1024, 64 * 1024, 2**20, 4 * 2**20]
 SMOKE_SIZES = [4, 64 * 1024]
 
 
-def iterations(nbytes: int, quick: bool) -> int:
-    """Back-to-back calls per sample: more for small messages."""
-    if nbytes <= 64 * 1024:
-        n = 40
-    elif nbytes <= 2**20:
-        n = 20
-    elif nbytes <= 4 * 2**20:
-        n = 8
-    elif nbytes <= 16 * 2**20:
-        n = 4
-    else:
-        n = 2
-    return max(2, n // 4) if quick else n
+def iterations(seconds_per_call: float, quick: bool, smoke: bool) -> int:
+    """Back-to-back calls per sample: enough for a sample of about 20 ms (50 ms in the
+    full run), so that a 10 µs call is timed over thousands of calls, not ten."""
+    if smoke:
+        return 2
+    target = 0.02 if quick else 0.05
+    return int(min(5000, max(2, target / max(seconds_per_call, 1e-7))))
 
 
 def _setup(world: Any) -> dict[str, Any]:
@@ -115,16 +109,23 @@ def worker(args: Any) -> int:
     samples = np.zeros((len(IMPLS), len(sizes), repeats))
     for si, nbytes in enumerate(sizes):
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-        iters = 2 if args.smoke else iterations(nbytes, args.quick)
-        for fn in impls.values():  # warm up: connections, caches, first-call costs
-            fn(t)
+        per_call = np.zeros(len(IMPLS))
+        for ii, name in enumerate(IMPLS):  # warm up (connections, caches), then time a few calls
+            impls[name](t)
+            sync()
+            t0 = MPI.Wtime()
+            for _ in range(3):
+                impls[name](t)
+            per_call[ii] = (MPI.Wtime() - t0) / 3
+        world.Allreduce(MPI.IN_PLACE, per_call, MPI.MAX)  # every rank runs the same counts
+        iters = [iterations(p, args.quick, args.smoke) for p in per_call]
         for r in range(repeats):
             for ii, name in enumerate(IMPLS):
                 sync()
                 t0 = MPI.Wtime()
-                for _ in range(iters):
+                for _ in range(iters[ii]):
                     impls[name](t)
-                samples[ii, si, r] = (MPI.Wtime() - t0) / iters
+                samples[ii, si, r] = (MPI.Wtime() - t0) / iters[ii]
         if world.rank == 0:
             print(f"  {fmt_bytes(nbytes)} done", flush=True)
     slowest = np.empty_like(samples)

@@ -24,7 +24,7 @@ from plait.errors import BackendUnavailableError, CollectiveTimeoutError, invali
 from plait.protocols import Handle, Tensor, TensorOps
 
 from .base import CommunicatorBase, Done, Pending, check_splits
-from .check import Call
+from .check import Call, mismatch
 
 __all__ = ["HorovodCommunicator", "build_info", "mpi_launched"]
 
@@ -135,6 +135,7 @@ class HorovodCommunicator(CommunicatorBase):
         self.size = int(self._set.size())
         self._cid = self._w.next_id()
         self._seq = 0
+        self._checks = 0  # agreement checks so far: one per call, whatever the call
         self.adasum = True
         if _world is None and mpi_launched():
             from .mpi import MPICommunicator
@@ -180,7 +181,7 @@ class HorovodCommunicator(CommunicatorBase):
         self.local_rank, self.local_size = int(self._hvd.local_rank()), int(self._hvd.local_size())
         self.cross_rank, self.cross_size = int(self._hvd.cross_rank()), int(self._hvd.cross_size())
         self.homogeneous = _homogeneous(self._hvd)
-        self._seq = 0
+        self._seq = self._checks = 0
 
     def _name(self, kind: str, name: str | None = None) -> str:
         """A name for the next Horovod op, equal on every rank of this communicator.
@@ -190,6 +191,12 @@ class HorovodCommunicator(CommunicatorBase):
         """
         self._seq += 1
         return f"plait.{self._cid}.{self._seq}.{kind}" + ("" if name is None else f".{name}")
+
+    def _check_name(self) -> str:
+        """The name of the next agreement check: numbered apart from the data ops, so
+        the checks of ranks that make different calls still meet (and report it)."""
+        self._checks += 1
+        return f"plait.{self._cid}.check{self._checks}"
 
     # -- conversion to and from the library's framework ----------------------------------
     def _native(self, ops: TensorOps, tensor: Tensor, carry: str | None) -> Any:
@@ -237,8 +244,16 @@ class HorovodCommunicator(CommunicatorBase):
         """Start the library's ``fn`` (allreduce, allgather, broadcast, alltoall,
         reducescatter) and return a handle whose ``wait()`` is bounded by ``self.timeout``.
 
+        With the check on, the agreement check's tiny allreduce is started first and
+        the data op right behind it, so Horovod negotiates both in one coordinator
+        cycle (a check waited for before the op would cost a whole extra cycle);
+        ``wait()`` verifies the check before it returns the data, so a mismatch still
+        raises :class:`~plait.errors.MismatchError` on every rank, also when the
+        mismatched data ops never meet in Horovod (an op left pending then).
+
         torch: Horovod's ``{fn}_async`` handle, polled. TensorFlow: eager ops run on the
-        one worker thread (in order), graph ops (inside ``tf.function``) are built here.
+        one worker thread (in order); graph ops (inside ``tf.function``) are built here,
+        checked once when the graph is built.
 
         Args:
             fn: the library function's name.
@@ -251,18 +266,68 @@ class HorovodCommunicator(CommunicatorBase):
             The handle.
         """
         hvd = self._hvd
+        if self.framework != "torch" and any(self._w.ops.is_symbolic(a) for a in args[:1]):
+            self._verify(call)  # once, when the graph is built
+            return Done(finish(getattr(hvd, fn)(*args, **kwargs)))
+        checked = self._check_async(call)
         what = f"{call.describe()} (Horovod op {kwargs.get('name')!r})"
         if self.framework == "torch":
             started = getattr(hvd, f"{fn}_async")(*args, **kwargs)
             result: list[Any] = []
-            return Pending(lambda: hvd.poll(started),
-                           lambda: result.append(self._wait_torch(started, what)),
+
+            def wait_torch() -> None:
+                checked.wait()
+                result.append(self._wait_torch(started, what))
+
+            return Pending(lambda: hvd.poll(started) and checked.done(), wait_torch,
                            lambda: finish(result[0]), started)
-        if any(self._w.ops.is_symbolic(a) for a in args[:1]):
-            return Done(finish(getattr(hvd, fn)(*args, **kwargs)))
         future = self._w.worker().submit(getattr(hvd, fn), *args, **kwargs)
-        return Pending(future.done, lambda: self._wait_future(future, what),
+
+        def wait_tf() -> None:
+            checked.wait()
+            self._wait_future(future, what)
+
+        return Pending(lambda: future.done() and checked.done(), wait_tf,
                        lambda: finish(future.result()), None)
+
+    def _check_async(self, call: Call) -> Handle:
+        """Start the agreement check of ``call``; the handle's ``wait()`` raises
+        :class:`~plait.errors.MismatchError` on every rank when the calls differ, and
+        :class:`~plait.errors.CollectiveTimeoutError` when the others do not arrive.
+
+        torch: a MIN allreduce of the call's digest (see
+        :func:`~plait.collectives.check.verify`) started now, so it shares a Horovod
+        cycle with the data op started next. TensorFlow: checked at once, through MPI
+        where the job has it (no TensorFlow op, so nothing touches the caller's graph),
+        else through Horovod (horovodrun --gloo); horovod.tensorflow's eager ops on two
+        threads at once mix up their names, so a check cannot run beside a data op.
+        """
+        if not (self.check and self.size > 1):
+            return Done(None)
+        if self.framework != "torch":
+            if self._mpi is not None:
+                self._call = call
+                self._mpi.timeout = self.timeout  # the caller may have changed it
+                self._mpi._verify(call)
+            else:
+                super()._verify(call)
+            return Done(None)
+        self._call = call
+        d = call.digest()
+        digest = _from_numpy(self._w.ops, np.array([d, -d], dtype=np.int64))
+        h = self._hvd.allreduce_async(digest, op=self._hvd.Min, name=self._check_name(),
+                                      process_set=self._set)
+
+        def wait() -> None:
+            lo = np.asarray(self._w.ops.to_numpy(self._wait_torch(h)))
+            if int(lo[0]) != -int(lo[1]):
+                raise mismatch(call, self._raw_allgather_rows,
+                               f"the {self.backend} communicator of size {self.size}")
+
+        return Pending(lambda: bool(self._hvd.poll(h)), wait, lambda: None, digest)
+
+    def _verify(self, call: Call) -> None:
+        self._check_async(call).wait()
 
     def _wait_torch(self, started: Any, what: str | None = None) -> Any:
         """``hvd.synchronize(started)``, raising :class:`CollectiveTimeoutError` after
@@ -325,18 +390,32 @@ class HorovodCommunicator(CommunicatorBase):
 
     def _raw_min_eager(self, values: np.ndarray) -> np.ndarray:
         t = _from_numpy(self._w.ops, values)
-        return self._bounded("allreduce", t, op=self._hvd.Min, name=self._name("check"),
+        return self._bounded("allreduce", t, op=self._hvd.Min, name=self._check_name(),
                              process_set=self._set)
 
     def _raw_allgather_bytes(self, data: np.ndarray) -> np.ndarray:
         with self._eager():
             return self._raw_allgather_eager(data)
 
-    def _raw_allgather_eager(self, data: np.ndarray) -> np.ndarray:
+    def _raw_allgather_eager(self, data: np.ndarray, name: str | None = None) -> np.ndarray:
         flat = np.ascontiguousarray(data).reshape(-1).view(np.uint8)
-        out = self._bounded("allgather", _from_numpy(self._w.ops, flat), name=self._name("bytes"),
-                            process_set=self._set)
+        out = self._bounded("allgather", _from_numpy(self._w.ops, flat),
+                            name=name or self._name("bytes"), process_set=self._set)
         return out.view(np.uint8)
+
+    def _raw_allgather_rows(self, row: np.ndarray) -> np.ndarray:
+        """The mismatch report's allgather. Ranks that made different calls may have
+        named different numbers of data ops (a data op starts with its check), so the
+        report is named after the check, carries each rank's op count, and every rank
+        goes on from the largest: the next ops' names meet again."""
+        ext = np.zeros(row.size + 8, dtype=np.uint8)
+        ext[: row.size] = row
+        ext[row.size :].view(np.int64)[0] = self._seq
+        with self._eager():
+            out = self._raw_allgather_eager(ext, f"plait.{self._cid}.check{self._checks}.rows")
+        rows = out.reshape(-1, row.size + 8)
+        self._seq = int(np.ascontiguousarray(rows[:, row.size :]).view(np.int64).max())
+        return np.ascontiguousarray(rows[:, : row.size])
 
     def _raw_bcast_bytes(self, data: np.ndarray | None, root: int) -> np.ndarray:
         with self._eager():
@@ -366,7 +445,6 @@ class HorovodCommunicator(CommunicatorBase):
         if self._host_graph(ops, tensor):
             return self._graph(ops, tensor, lambda a: self.allreduce(a, op, name)) or Done(None)
         call = Call("allreduce", ops.shape(tensor), dtype, op=op, name=name)
-        self._verify(call)
         carry = _CARRY_REDUCE.get(dtype)
         if dtype == "float16" and op in ("min", "max", "product"):
             carry = "float32"
@@ -389,7 +467,6 @@ class HorovodCommunicator(CommunicatorBase):
         if not shape:
             raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
         call = Call("allgather", shape, dtype, name=name, ragged=True)
-        self._verify(call)
         carry = _CARRY_MOVE.get(dtype)
         t = self._native(ops, tensor, carry)
         return self._start("allgather", call, lambda r: self._back(ops, r, tensor, dtype, carry),
@@ -402,7 +479,6 @@ class HorovodCommunicator(CommunicatorBase):
         if self._host_graph(ops, tensor):
             return self._graph(ops, tensor, lambda a: self.broadcast(a, root, name)) or Done(None)
         call = Call("broadcast", ops.shape(tensor), dtype, root=root, name=name)
-        self._verify(call)
         carry = _CARRY_MOVE.get(dtype)
         t = self._native(ops, tensor, carry)
         return self._start("broadcast", call, lambda r: self._back(ops, r, tensor, dtype, carry),
@@ -422,7 +498,6 @@ class HorovodCommunicator(CommunicatorBase):
             raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
         send = check_splits(splits, shape[0], self.size)
         call = Call("alltoall", shape, dtype, name=name, ragged=True)
-        self._verify(call)
         carry = _CARRY_MOVE.get(dtype)
         t = self._native(ops, tensor, carry)
         lib_splits = _from_numpy(self._w.ops, np.array(send, dtype=np.int32))
@@ -448,7 +523,6 @@ class HorovodCommunicator(CommunicatorBase):
         if not shape:
             raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
         call = Call("reducescatter", shape, dtype, op=op, name=name)
-        self._verify(call)
         carry = _CARRY_REDUCE.get(dtype)
         t = self._native(ops, tensor, carry)
         out = self._start("reducescatter", call, lambda r: r, t,
