@@ -106,6 +106,9 @@ class CommunicatorBase:
         self.timeout = float(timeout)
         self.adasum = False
         self._call: Call | None = None  # the last call checked
+        #: Bumped by every elastic reset: handles started in an older generation are
+        #: gone with the library state they referred to (holders must drop them).
+        self.generation = 0
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} backend={self.backend} rank={self.rank} size={self.size}>"
@@ -261,6 +264,8 @@ class CommunicatorBase:
     def _topology(self) -> None:
         """Set local/cross rank and size from every rank's host name."""
         hosts = self.allgather_object(socket.gethostname())
+        #: every rank's host name (by rank in this group), for messages
+        self.host_names: list[str] = hosts
         order = list(dict.fromkeys(hosts))
         mine = hosts[self.rank]
         peers = [r for r, h in enumerate(hosts) if h == mine]

@@ -164,7 +164,9 @@ class HorovodCommunicator(CommunicatorBase):
         workers were added or removed: every surviving and new worker calls it at the
         same point, so op names (counted from zero again) agree on all ranks. Objects
         holding this communicator (optimizers, callbacks) keep working; groups made
-        by :meth:`split` before the reset are invalid.
+        by :meth:`split` before the reset are invalid, and so are handles started
+        before it (``generation`` counts the resets: holders of handles drop those of
+        an older generation).
 
         Raises:
             NotImplementedError: on a group made by :meth:`split`, or under mpirun
@@ -182,6 +184,7 @@ class HorovodCommunicator(CommunicatorBase):
         self.cross_rank, self.cross_size = int(self._hvd.cross_rank()), int(self._hvd.cross_size())
         self.homogeneous = _homogeneous(self._hvd)
         self._seq = self._checks = 0
+        self.generation += 1
 
     def _name(self, kind: str, name: str | None = None) -> str:
         """A name for the next Horovod op, equal on every rank of this communicator.
