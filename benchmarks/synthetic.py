@@ -216,15 +216,16 @@ def run_model(setup: _Setup, kind: str, args: Any) -> dict[str, Any]:
 
     for _ in range(args.num_warmup_batches):
         step()
-    img_secs = []
+    img_secs, cpu_ms = [], []
     for i in range(args.num_iters):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(args.num_batches_per_iter):
             step()
         img_secs.append(args.batch_size * args.num_batches_per_iter / (time.perf_counter() - t0))
+        cpu_ms.append(1e3 * (time.process_time() - c0) / args.num_batches_per_iter)
         if setup.rank == 0 and not args.out:
             print(f"Iter #{i}: {img_secs[-1]:.1f} img/sec per CPU", flush=True)
-    return {"params": params, "img_secs": img_secs}
+    return {"params": params, "img_secs": img_secs, "cpu_ms": cpu_ms}
 
 
 def worker(args: Any) -> int:
@@ -268,13 +269,15 @@ def rows_of(parts: dict[str, dict[str, Any]], args: Any) -> tuple[list[dict[str,
         mean: dict[str, float] = {}
         for backend, part in parts.items():
             samples = [x for rnd in part["rounds"] for x in rnd[kind]["img_secs"]]
+            cpu = [x for rnd in part["rounds"] for x in rnd[kind]["cpu_ms"]]
             m, half = confidence(samples)
             mean[backend] = m
             size = part["np"]
             rows.append({"model": kind, "backend": backend, "compression": args.compression,
                          "params": part["rounds"][0][kind]["params"], "np": size,
                          "img_per_s": m, "ci95": half, "total_img_per_s": size * m,
-                         "step_ms": 1e3 * args.batch_size / m, "n": len(samples)})
+                         "step_ms": 1e3 * args.batch_size / m, "cpu_ms": statistics.median(cpu),
+                         "n": len(samples)})
         for backend in parts:
             if not backend.startswith("plait-"):
                 continue
@@ -292,12 +295,14 @@ def markdown(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], m: dict[s
            f"{m['machine'].get('cores')} cores; load before {m['load_before']}, after "
            f"{m['load_after']}. img/s per rank: mean and 95% confidence interval over "
            f"{m['num_iters']} iterations x {m['rounds']} rounds of {m['num_batches_per_iter']} "
-           f"steps each (after {m['num_warmup_batches']} warm-up steps), rank 0's clock.\n\n"]
+           f"steps each (after {m['num_warmup_batches']} warm-up steps), rank 0's clock. CPU ms/step: "
+           "rank 0's process CPU time (all its threads) per step, median over iterations (less "
+           "sensitive to other load than img/s).\n\n"]
     table = [[r["model"], f"{r['params'] / 1e6:.2f}M", r["backend"],
               f"{r['img_per_s']:.1f} ± {r['ci95']:.1f}", f"{r['total_img_per_s']:.1f}",
-              f"{r['step_ms']:.1f}"] for r in rows]
-    out.append(md_table(["model", "params", "backend", "img/s per rank", "total img/s", "step ms"],
-                        table))
+              f"{r['step_ms']:.1f}", f"{r['cpu_ms']:.1f}"] for r in rows]
+    out.append(md_table(["model", "params", "backend", "img/s per rank", "total img/s", "step ms",
+                         "CPU ms/step"], table))
     if ratios:
         out.append("\n### plait vs real Horovod and DDP (mean img/s; >= 1.0 means plait is as fast)\n\n")
         out.append(md_table(["model", "plait", "peer", "ratio"],
@@ -325,7 +330,8 @@ def _extra(p: Any) -> None:
     p.add_argument("--backend", default=",".join(BACKENDS),
                    help=f"comma-separated, from {list(BACKENDS)}")
     p.add_argument("--batch-size", type=int, default=32, help="input batch size per rank")
-    p.add_argument("--num-warmup-batches", type=int, default=10)
+    p.add_argument("--num-warmup-batches", type=int, default=15,
+                   help="untimed steps (15 cover plait's bucket-size tuning; every backend gets them)")
     p.add_argument("--num-batches-per-iter", type=int, default=10)
     p.add_argument("--num-iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2, help="jobs per backend, interleaved")
@@ -351,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         args.batch_size, args.num_warmup_batches, args.num_batches_per_iter = 4, 1, 1
         args.num_iters, args.rounds = 2, 1
     elif args.quick:
-        args.num_warmup_batches, args.num_batches_per_iter, args.num_iters = 5, 5, 5
+        args.num_batches_per_iter, args.num_iters = 5, 5
     if args.worker:
         if not os.environ.get("SYNTH_DRIVER"):
             args.out = ""  # run by hand: print, write nothing

@@ -30,6 +30,7 @@ HEADERS = {
                 "| bubble sim | peak live | peak live sim |",
     "tensor": "| variant | ranks | params/rank | step (median, s) | step min-max (s) | comm/rank/step "
               "| analytic |",
+    "synthetic": "| model | params | backend | img/s per rank | total img/s | step ms | CPU ms/step |",
 }
 
 
@@ -117,6 +118,21 @@ def test_dp_step_benchmark_has_every_row(tmp_path):
             assert 4e6 < r["params"] < 6e6
     assert {(r["framework"], r["impl"]) for r in data["ratios"]} == {
         (f, i) for f in ("torch", "tensorflow") for i in ("plait-mpi", "plait-horovod")}
+
+
+def test_synthetic_benchmark_has_every_row(tmp_path: Path) -> None:
+    """The Horovod-style synthetic benchmark: one job of the same script per backend."""
+    synthetic = _module("synthetic")
+    data = _run("synthetic.py", tmp_path / "syn")
+    got = {(r["model"], r["backend"]) for r in data["rows"]}
+    assert got == {(m, b) for m in synthetic.MODELS for b in synthetic.BACKENDS}
+    for r in data["rows"]:
+        assert r["img_per_s"] > 0 and r["ci95"] >= 0 and r["n"] == 2 and r["np"] == 2
+        assert r["cpu_ms"] > 0
+        assert 5e6 < r["params"] < 1e7
+    assert {(r["model"], r["backend"], r["peer"]) for r in data["ratios"]} == {
+        (m, b, p) for m in synthetic.MODELS for b in ("plait-mpi", "plait-horovod")
+        for p in synthetic.PEERS}
 
 
 @pytest.mark.skipif(unavailable_reason(need_tc=True) is not None,

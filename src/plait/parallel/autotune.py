@@ -12,7 +12,7 @@ elementwise reductions.
 
 Settings: ``bucket_mb=`` (a number) or ``PLAIT_BUCKET_MB`` fixes the size (no
 tuning); ``PLAIT_AUTOTUNE=0`` turns tuning off (the default size is used);
-``PLAIT_AUTOTUNE_STEPS`` is the number of timed steps per candidate (default 3);
+``PLAIT_AUTOTUNE_STEPS`` is the number of timed steps per candidate (default 2);
 ``PLAIT_AUTOTUNE_MB`` the comma-separated candidate sizes in MiB (default
 ``1,4,16,64``). Every rank must use the same settings (``plait run`` forwards
 ``PLAIT_*``).
@@ -100,7 +100,7 @@ def candidates(env: Mapping[str, str] | None = None) -> list[float]:
 def _steps(env: Mapping[str, str]) -> int:
     raw = env.get("PLAIT_AUTOTUNE_STEPS", "")
     if raw == "":
-        return 3
+        return 2
     if not raw.isdigit() or int(raw) < 1:
         raise invalid("PLAIT_AUTOTUNE_STEPS", raw, "a whole number >= 1")
     return int(raw)
@@ -111,7 +111,7 @@ class BucketTuner:
 
     Args:
         sizes: bucket sizes (MiB) to try, in order (default :func:`candidates`).
-        steps: timed steps per candidate (default ``PLAIT_AUTOTUNE_STEPS`` or 3).
+        steps: timed steps per candidate (default ``PLAIT_AUTOTUNE_STEPS`` or 2).
         skip: untimed steps after each change.
     """
 
