@@ -68,9 +68,10 @@ class Server:
         self.proc.wait(timeout=30)
 
     def train(self, entry: str, framework: str, instances: int | str = 1, per_worker: int = 1,
-              args: tuple[str, ...] = (), **params: object) -> str:
+              args: tuple[str, ...] = (), restarts: int = 0, timeout_s: float = 0.0, **params: object) -> str:
         request = pb.TrainRequest(name="t", entry_point=entry, framework=framework, args=args,
-                                  processes_per_worker=per_worker, dataset="digits")
+                                  processes_per_worker=per_worker, dataset="digits", restarts=restarts,
+                                  timeout_s=timeout_s)
         request.parameters.update({"PARALLEL_INSTANCES": str(instances), **params})
         return str(self.stub.Train(request, metadata=self.md, timeout=30).job_id)
 
@@ -207,6 +208,19 @@ def test_queue_cancel_and_failure(small: Server) -> None:
     # cancelling a finished job leaves it as it was
     again = small.stub.Cancel(pb.CancelRequest(job_id=failing), metadata=small.md, timeout=30)
     assert again.state == pb.FAILED
+
+
+def test_restart_resumes_and_timeout_ends_the_job(small: Server) -> None:
+    resumed = small.train("resumable.py", "none", 1, restarts=2)
+    s = small.wait(resumed)
+    assert s.state == pb.SUCCEEDED and (s.attempts, s.restarts) == (1, 2) and s.progress.step == 10, s
+    log = small.logs(resumed, 0)
+    assert "attempt 0 fails after its checkpoint" in log and "attempt 1 resumed at step 5" in log
+    once = small.train("resumable.py", "none", 1)  # no restarts: the failure is final
+    assert small.wait(once).state == pb.FAILED
+    slow = small.train("sleeper.py", "none", 1, args=("600",), restarts=3, timeout_s=1.0)
+    s = small.wait(slow)
+    assert s.state == pb.FAILED and "timed out after 1 s" in s.message and s.attempts == 0, s
 
 
 def test_store_survives_kill_9(small: Server) -> None:

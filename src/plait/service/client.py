@@ -62,6 +62,8 @@ def format_status(s: pb.JobStatus) -> str:
         lines.append("  exit codes: " + " ".join(f"rank{e.rank}={e.exit_code}" for e in s.exit_codes))
     if s.artifact:
         lines.append(f"  artifact: {s.artifact}")
+    if s.restarts:
+        lines.append(f"  restarts: {s.attempts} of {s.restarts}")
     if s.message:
         lines.append(f"  message: {s.message}")
     return "\n".join(lines)
@@ -85,6 +87,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--parameters", metavar="JSON", help="hyper-parameters as a JSON object of strings")
     s.add_argument("--dataset", default="")
     s.add_argument("--timeout", type=float, default=0.0, metavar="S")
+    s.add_argument("--restarts", type=int, default=0, metavar="R",
+                   help="relaunch the job up to R times if it fails (it resumes from its checkpoints)")
     s.add_argument("--wait", action="store_true", help="wait for the job to end; exit 0 if it succeeded")
     s.add_argument("entry_point", help="a file inside the service's code directory")
     s.add_argument("args", nargs=argparse.REMAINDER, help="-- ARGS for the entry point")
@@ -144,7 +148,7 @@ def _run(args: argparse.Namespace, stub: pb_grpc.TrainingStub, md: list[tuple[st
         request = pb.TrainRequest(name=args.name, entry_point=args.entry_point, args=extra,
                                   dataset=args.dataset, framework=args.framework,
                                   processes_per_worker=max(args.processes_per_worker, 0),
-                                  timeout_s=args.timeout)
+                                  timeout_s=args.timeout, restarts=max(args.restarts, 0))
         if args.processes_per_worker < 1:
             raise SystemExit("plait jobs: error: invalid --processes-per-worker="
                              f"{args.processes_per_worker}: expected an integer >= 1")

@@ -230,22 +230,33 @@ class Service:
             done.set()
         self._wake.set()
 
-    def _launch(self, job: Job, workers: list[str]) -> None:
-        spec, ports = job.spec, []
-        job_dir = self.job_dir(job.id)
+    def _start(self, job_id: str, spec: JobSpec, workers: list[str],
+               attempt: int) -> tuple[Handle, list[int]]:
+        """Start one attempt of a job; returns its handle and the ports it took."""
+        job_dir = self.job_dir(job_id)
+        os.makedirs(os.path.join(job_dir, "output"), exist_ok=True)
+        for name in os.listdir(job_dir):  # a previous attempt's exit files
+            if name.startswith("rank-") and name.endswith(".exit"):
+                os.remove(os.path.join(job_dir, name))
+        endpoints = self.backend.endpoints(spec, workers)
+        ports = [int(e.rpartition(":")[2]) for e in endpoints]
+        env = {**job_env(job_id, spec, job_dir), "PLAIT_RESTART": str(attempt)}
         try:
-            os.makedirs(os.path.join(job_dir, "output"), exist_ok=True)
-            endpoints = self.backend.endpoints(spec, workers)
-            ports = [int(e.rpartition(":")[2]) for e in endpoints]
-            launched = self.backend.launch(job.id, spec, workers, job_env(job.id, spec, job_dir), job_dir,
-                                           endpoints)
+            return self.backend.launch(job_id, spec, workers, env, job_dir, endpoints), ports
+        except BaseException:
+            self.backend.release([], spec.processes_per_worker, ports)
+            raise
+
+    def _launch(self, job: Job, workers: list[str]) -> None:
+        try:
+            launched, ports = self._start(job.id, job.spec, workers, job.attempts)
         except Exception as exc:
-            self._finish(job.id, workers, spec.processes_per_worker, ports, state="failed",
+            self._finish(job.id, workers, job.spec.processes_per_worker, [], state="failed",
                          message=f"could not start the job: {exc}")
             return
         self.store.update(job.id, expect=("launching",), state="running", started=time.time(),
                           pgids=launched.pgids)
-        self._watch(job.id, spec, workers, ports, launched)
+        self._run(job.id, job.spec, workers, ports, launched, job.attempts)
 
     def _adopt(self, job: Job) -> None:
         launched = None
@@ -257,8 +268,36 @@ class Service:
             return
         self.backend.reserve(job.workers, job.spec.processes_per_worker)
         self._track(job.id)
-        threading.Thread(target=self._watch, args=(job.id, job.spec, list(job.workers), [], launched),
-                         name=f"job-{job.id}", daemon=True).start()
+        args: tuple[Any, ...] = (job.id, job.spec, list(job.workers), [], launched, job.attempts)
+        threading.Thread(target=self._run, args=args, name=f"job-{job.id}", daemon=True).start()
+
+    def _run(self, job_id: str, spec: JobSpec, workers: list[str], ports: list[int], launched: Handle,
+             attempt: int) -> None:
+        """Watch a job to its end, relaunching it up to ``spec.restarts`` times if it fails."""
+        started = self.store.get(job_id).started or time.time()
+        while True:
+            state, message, codes, retry = self._watch(job_id, spec, launched, started)
+            with self._lock:
+                cancelled = self._cancel[job_id].is_set()
+            if state != "failed" or not retry or attempt >= spec.restarts or cancelled:
+                break
+            attempt += 1
+            self.backend.release([], spec.processes_per_worker, ports)
+            self.store.update(job_id, attempts=attempt, exit_codes=codes, pgids=[],
+                              message=f"relaunched (restart {attempt} of {spec.restarts}) after: {message}")
+            try:
+                launched, ports = self._start(job_id, spec, workers, attempt)
+            except Exception as exc:
+                state, message, ports = "failed", f"could not relaunch the job: {exc}", []
+                break
+            self.store.update(job_id, pgids=launched.pgids)
+            started = time.time()
+        artifact = self.store.get(job_id).artifact
+        output = os.path.join(self.job_dir(job_id), "output")
+        if not artifact and state == "succeeded" and os.path.isdir(output) and os.listdir(output):
+            artifact = output
+        self._finish(job_id, workers, spec.processes_per_worker, ports, state=state, message=message,
+                     exit_codes=codes, artifact=artifact)
 
     # -- watching ----------------------------------------------------------------------------
     def _read_progress(self, job_id: str, path: str, offset: int) -> int:
@@ -278,13 +317,16 @@ class Service:
                 self.store.merge_progress(job_id, report)
         return offset + end
 
-    def _watch(self, job_id: str, spec: JobSpec, workers: list[str], ports: list[int],
-               launched: Handle) -> None:
-        job_dir = self.job_dir(job_id)
-        progress_file = os.path.join(job_dir, "progress.jsonl")
+    def _watch(self, job_id: str, spec: JobSpec, launched: Handle,
+               started: float) -> tuple[str, str, dict[int, int], bool]:
+        """Wait for one attempt to end (or end it: cancel, timeout, a failed rank).
+
+        Returns:
+            ``(state, message, exit codes, whether a relaunch may help)``.
+        """
+        progress_file = os.path.join(self.job_dir(job_id), "progress.jsonl")
         with self._lock:
             cancel = self._cancel[job_id]
-        started = self.store.get(job_id).started or time.time()
         offset, failed_at, reason = 0, 0.0, ""
         first: tuple[int, int] | None = None
         while not launched.poll():
@@ -306,12 +348,7 @@ class Service:
         self._read_progress(job_id, progress_file, offset)
         codes = launched.exit_codes()
         state, message = self._outcome(codes, launched.launcher_code(), reason)
-        artifact = self.store.get(job_id).artifact
-        output = os.path.join(job_dir, "output")
-        if not artifact and state == "succeeded" and os.path.isdir(output) and os.listdir(output):
-            artifact = output
-        self._finish(job_id, workers, spec.processes_per_worker, ports, state=state, message=message,
-                     exit_codes=codes, artifact=artifact)
+        return state, message, codes, not reason.startswith(("cancelled", "timed out"))
 
     @staticmethod
     def _outcome(codes: Mapping[int, int], launcher: int | None, reason: str) -> tuple[str, str]:

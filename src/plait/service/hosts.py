@@ -77,24 +77,34 @@ def _live_member(pgid: int) -> bool:
 def kill_groups(pgids: Sequence[int], grace: float = KILL_GRACE_S) -> None:
     """SIGTERM the process groups and every descendant, wait ``grace`` s, SIGKILL what is left.
 
-    mpirun puts its agents (and so the remote daemons) in process groups of their own;
-    their descendants are found through /proc.
+    mpirun puts its agents (and so the remote daemons, and the ranks under them) in process
+    groups of their own; they are found through /proc while their parents live, remembered,
+    and waited for too.
     """
-    def targets() -> list[int]:
-        found = [-g for g in pgids]
-        for g in pgids:
-            found += _descendants(g)
-        return found
+    known: set[int] = set()
 
+    def alive() -> bool:
+        known.update(d for g in pgids for d in _descendants(g))
+        return groups_alive(pgids) or any(_pid_alive(p) for p in known)
+
+    alive()
     for sig in (signal.SIGTERM, signal.SIGKILL):
-        for target in targets():
+        for target in [-g for g in pgids] + sorted(known):
             try:
                 os.kill(target, sig)
             except (ProcessLookupError, PermissionError):
                 pass
         deadline = time.monotonic() + grace
-        while sig == signal.SIGTERM and time.monotonic() < deadline and groups_alive(pgids):
+        while time.monotonic() < deadline and alive():
             time.sleep(0.1)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except (OSError, IndexError):
+        return False
 
 
 @dataclass

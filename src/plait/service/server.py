@@ -63,6 +63,7 @@ def job_status(job: Job) -> pb.JobStatus:
         exit_codes=[pb.RankExit(rank=r, exit_code=c) for r, c in sorted(job.exit_codes.items())],
         progress=progress, message=job.message, artifact=job.artifact, workers=job.workers,
         entry_point=job.spec.entry_point, dataset=job.spec.dataset, parameters=params,
+        attempts=job.attempts, restarts=job.spec.restarts,
     )
 
 
@@ -89,6 +90,7 @@ class TrainingServicer(pb_grpc.TrainingServicer):
                 dataset=request.dataset, parameters=json_format.MessageToDict(request.parameters),
                 framework=request.framework or "none",
                 processes_per_worker=request.processes_per_worker or 1, timeout_s=request.timeout_s,
+                restarts=request.restarts,
             )
         except (ValueError, TypeError) as exc:
             _abort(context, exc)

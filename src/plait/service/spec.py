@@ -58,6 +58,7 @@ class JobSpec:
         instances: number of workers (``PARALLEL_INSTANCES``).
         processes_per_worker: processes (ranks) per worker.
         timeout_s: seconds before the job is killed; 0 for no limit.
+        restarts: how many times a failed job is relaunched.
     """
 
     name: str
@@ -69,6 +70,7 @@ class JobSpec:
     instances: int = 1
     processes_per_worker: int = 1
     timeout_s: float = 0.0
+    restarts: int = 0
 
     @property
     def world_size(self) -> int:
@@ -169,6 +171,7 @@ def make_spec(
     framework: str = "none",
     processes_per_worker: int = 1,
     timeout_s: float = 0.0,
+    restarts: int = 0,
     capacity: int | None = None,
 ) -> JobSpec:
     """Validate a request and build its :class:`JobSpec`.
@@ -184,6 +187,7 @@ def make_spec(
         framework: one of :data:`FRAMEWORKS`.
         processes_per_worker: ranks per worker (0 means 1).
         timeout_s: seconds before the job is killed (0: no limit).
+        restarts: relaunch a failed job up to this many times (0..100).
         capacity: process slots the service has; ``None``: do not check.
 
     Returns:
@@ -209,9 +213,11 @@ def make_spec(
         0 <= timeout_s < float("inf")
     ):
         raise invalid("timeout_s", timeout_s, "seconds >= 0 (0: no limit)")
+    if isinstance(restarts, bool) or not isinstance(restarts, int) or not 0 <= restarts <= 100:
+        raise invalid("restarts", restarts, "an integer in 0..100")
     path = resolve_entry_point(entry_point, code_dir)
     spec = JobSpec(name, path, arg_list, _text("dataset", dataset), params, framework, instances,
-                   per_worker, float(timeout_s))
+                   per_worker, float(timeout_s), restarts)
     if capacity is not None and spec.world_size > capacity:
         raise CapacityError(
             f"invalid {INSTANCES_KEY}={instances} with processes_per_worker={per_worker}: "

@@ -45,12 +45,13 @@ CREATE TABLE IF NOT EXISTS jobs (
     artifact TEXT NOT NULL DEFAULT '',
     workers TEXT NOT NULL DEFAULT '[]',
     pgids TEXT NOT NULL DEFAULT '[]',
-    backend TEXT NOT NULL DEFAULT ''
+    backend TEXT NOT NULL DEFAULT '',
+    attempts INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS jobs_state ON jobs (state, seq);
 """
 _COLUMNS = ("id", "seq", "spec", "state", "created", "started", "finished", "exit_codes",
-            "progress", "message", "artifact", "workers", "pgids", "backend")
+            "progress", "message", "artifact", "workers", "pgids", "backend", "attempts")
 _JSON = {"exit_codes", "progress", "workers", "pgids"}
 
 
@@ -76,6 +77,7 @@ class Job:
         workers: the host of each worker.
         pgids: process groups of the running job (to adopt or kill it after a restart).
         backend: the backend that runs it (``hosts`` or ``kubernetes``).
+        attempts: relaunches so far (see ``JobSpec.restarts``).
     """
 
     id: str
@@ -92,6 +94,7 @@ class Job:
     workers: list[str] = field(default_factory=list)
     pgids: list[int] = field(default_factory=list)
     backend: str = ""
+    attempts: int = 0
 
     @property
     def final(self) -> bool:

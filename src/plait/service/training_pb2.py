@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import struct_pb2 as google_dot_protobuf_dot_struct__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cplait/service/training.proto\x12\x10plait.service.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xc1\x01\n\x0cTrainRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x65ntry_point\x18\x02 \x01(\t\x12\x0c\n\x04\x61rgs\x18\x03 \x03(\t\x12\x0f\n\x07\x64\x61taset\x18\x04 \x01(\t\x12+\n\nparameters\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x11\n\tframework\x18\x06 \x01(\t\x12\x1c\n\x14processes_per_worker\x18\x07 \x01(\r\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\"J\n\rTrainResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0e\x32\x1a.plait.service.v1.JobState\"\x1f\n\rStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"=\n\x0fListJobsRequest\x12*\n\x06states\x18\x01 \x03(\x0e\x32\x1a.plait.service.v1.JobState\"=\n\x10ListJobsResponse\x12)\n\x04jobs\x18\x01 \x03(\x0b\x32\x1b.plait.service.v1.JobStatus\"\x1f\n\rCancelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\";\n\x0bLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"&\n\x08LogChunk\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"+\n\x08RankExit\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\texit_code\x18\x02 \x01(\x05\"\xde\x01\n\x08Progress\x12\x11\n\x04step\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\x05\x65poch\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x11\n\x04loss\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x38\n\x07metrics\x18\x04 \x03(\x0b\x32\'.plait.service.v1.Progress.MetricsEntry\x12\x12\n\nupdated_at\x18\x05 \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_stepB\x08\n\x06_epochB\x07\n\x05_loss\"\xba\x03\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.plait.service.v1.JobState\x12\x11\n\tframework\x18\x04 \x01(\t\x12\x11\n\tinstances\x18\x05 \x01(\r\x12\x1c\n\x14processes_per_worker\x18\x06 \x01(\r\x12\x12\n\ncreated_at\x18\x07 \x01(\x01\x12\x12\n\nstarted_at\x18\x08 \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\t \x01(\x01\x12.\n\nexit_codes\x18\n \x03(\x0b\x32\x1a.plait.service.v1.RankExit\x12,\n\x08progress\x18\x0b \x01(\x0b\x32\x1a.plait.service.v1.Progress\x12\x0f\n\x07message\x18\x0c \x01(\t\x12\x10\n\x08\x61rtifact\x18\r \x01(\t\x12\x0f\n\x07workers\x18\x0e \x03(\t\x12\x13\n\x0b\x65ntry_point\x18\x0f \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x10 \x01(\t\x12+\n\nparameters\x18\x11 \x01(\x0b\x32\x17.google.protobuf.Struct*w\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\n\n\x06QUEUED\x10\x01\x12\r\n\tLAUNCHING\x10\x02\x12\x0b\n\x07RUNNING\x10\x03\x12\r\n\tSUCCEEDED\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\x12\r\n\tCANCELLED\x10\x06\x32\x87\x03\n\x08Training\x12H\n\x05Train\x12\x1e.plait.service.v1.TrainRequest\x1a\x1f.plait.service.v1.TrainResponse\x12Q\n\x11GetTrainingStatus\x12\x1f.plait.service.v1.StatusRequest\x1a\x1b.plait.service.v1.JobStatus\x12Q\n\x08ListJobs\x12!.plait.service.v1.ListJobsRequest\x1a\".plait.service.v1.ListJobsResponse\x12\x46\n\x06\x43\x61ncel\x12\x1f.plait.service.v1.CancelRequest\x1a\x1b.plait.service.v1.JobStatus\x12\x43\n\x04Logs\x12\x1d.plait.service.v1.LogsRequest\x1a\x1a.plait.service.v1.LogChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1cplait/service/training.proto\x12\x10plait.service.v1\x1a\x1cgoogle/protobuf/struct.proto\"\xd3\x01\n\x0cTrainRequest\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x65ntry_point\x18\x02 \x01(\t\x12\x0c\n\x04\x61rgs\x18\x03 \x03(\t\x12\x0f\n\x07\x64\x61taset\x18\x04 \x01(\t\x12+\n\nparameters\x18\x05 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x11\n\tframework\x18\x06 \x01(\t\x12\x1c\n\x14processes_per_worker\x18\x07 \x01(\r\x12\x11\n\ttimeout_s\x18\x08 \x01(\x01\x12\x10\n\x08restarts\x18\t \x01(\r\"J\n\rTrainResponse\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12)\n\x05state\x18\x02 \x01(\x0e\x32\x1a.plait.service.v1.JobState\"\x1f\n\rStatusRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\"=\n\x0fListJobsRequest\x12*\n\x06states\x18\x01 \x03(\x0e\x32\x1a.plait.service.v1.JobState\"=\n\x10ListJobsResponse\x12)\n\x04jobs\x18\x01 \x03(\x0b\x32\x1b.plait.service.v1.JobStatus\"\x1f\n\rCancelRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\";\n\x0bLogsRequest\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04rank\x18\x02 \x01(\r\x12\x0e\n\x06\x66ollow\x18\x03 \x01(\x08\"&\n\x08LogChunk\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"+\n\x08RankExit\x12\x0c\n\x04rank\x18\x01 \x01(\r\x12\x11\n\texit_code\x18\x02 \x01(\x05\"\xde\x01\n\x08Progress\x12\x11\n\x04step\x18\x01 \x01(\x03H\x00\x88\x01\x01\x12\x12\n\x05\x65poch\x18\x02 \x01(\x03H\x01\x88\x01\x01\x12\x11\n\x04loss\x18\x03 \x01(\x01H\x02\x88\x01\x01\x12\x38\n\x07metrics\x18\x04 \x03(\x0b\x32\'.plait.service.v1.Progress.MetricsEntry\x12\x12\n\nupdated_at\x18\x05 \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\x42\x07\n\x05_stepB\x08\n\x06_epochB\x07\n\x05_loss\"\xde\x03\n\tJobStatus\x12\x0e\n\x06job_id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12)\n\x05state\x18\x03 \x01(\x0e\x32\x1a.plait.service.v1.JobState\x12\x11\n\tframework\x18\x04 \x01(\t\x12\x11\n\tinstances\x18\x05 \x01(\r\x12\x1c\n\x14processes_per_worker\x18\x06 \x01(\r\x12\x12\n\ncreated_at\x18\x07 \x01(\x01\x12\x12\n\nstarted_at\x18\x08 \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\t \x01(\x01\x12.\n\nexit_codes\x18\n \x03(\x0b\x32\x1a.plait.service.v1.RankExit\x12,\n\x08progress\x18\x0b \x01(\x0b\x32\x1a.plait.service.v1.Progress\x12\x0f\n\x07message\x18\x0c \x01(\t\x12\x10\n\x08\x61rtifact\x18\r \x01(\t\x12\x0f\n\x07workers\x18\x0e \x03(\t\x12\x13\n\x0b\x65ntry_point\x18\x0f \x01(\t\x12\x0f\n\x07\x64\x61taset\x18\x10 \x01(\t\x12+\n\nparameters\x18\x11 \x01(\x0b\x32\x17.google.protobuf.Struct\x12\x10\n\x08\x61ttempts\x18\x12 \x01(\r\x12\x10\n\x08restarts\x18\x13 \x01(\r*w\n\x08JobState\x12\x19\n\x15JOB_STATE_UNSPECIFIED\x10\x00\x12\n\n\x06QUEUED\x10\x01\x12\r\n\tLAUNCHING\x10\x02\x12\x0b\n\x07RUNNING\x10\x03\x12\r\n\tSUCCEEDED\x10\x04\x12\n\n\x06\x46\x41ILED\x10\x05\x12\r\n\tCANCELLED\x10\x06\x32\x87\x03\n\x08Training\x12H\n\x05Train\x12\x1e.plait.service.v1.TrainRequest\x1a\x1f.plait.service.v1.TrainResponse\x12Q\n\x11GetTrainingStatus\x12\x1f.plait.service.v1.StatusRequest\x1a\x1b.plait.service.v1.JobStatus\x12Q\n\x08ListJobs\x12!.plait.service.v1.ListJobsRequest\x1a\".plait.service.v1.ListJobsResponse\x12\x46\n\x06\x43\x61ncel\x12\x1f.plait.service.v1.CancelRequest\x1a\x1b.plait.service.v1.JobStatus\x12\x43\n\x04Logs\x12\x1d.plait.service.v1.LogsRequest\x1a\x1a.plait.service.v1.LogChunk0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,32 +34,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROGRESS_METRICSENTRY']._loaded_options = None
   _globals['_PROGRESS_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_JOBSTATE']._serialized_start=1360
-  _globals['_JOBSTATE']._serialized_end=1479
+  _globals['_JOBSTATE']._serialized_start=1414
+  _globals['_JOBSTATE']._serialized_end=1533
   _globals['_TRAINREQUEST']._serialized_start=81
-  _globals['_TRAINREQUEST']._serialized_end=274
-  _globals['_TRAINRESPONSE']._serialized_start=276
-  _globals['_TRAINRESPONSE']._serialized_end=350
-  _globals['_STATUSREQUEST']._serialized_start=352
-  _globals['_STATUSREQUEST']._serialized_end=383
-  _globals['_LISTJOBSREQUEST']._serialized_start=385
-  _globals['_LISTJOBSREQUEST']._serialized_end=446
-  _globals['_LISTJOBSRESPONSE']._serialized_start=448
-  _globals['_LISTJOBSRESPONSE']._serialized_end=509
-  _globals['_CANCELREQUEST']._serialized_start=511
-  _globals['_CANCELREQUEST']._serialized_end=542
-  _globals['_LOGSREQUEST']._serialized_start=544
-  _globals['_LOGSREQUEST']._serialized_end=603
-  _globals['_LOGCHUNK']._serialized_start=605
-  _globals['_LOGCHUNK']._serialized_end=643
-  _globals['_RANKEXIT']._serialized_start=645
-  _globals['_RANKEXIT']._serialized_end=688
-  _globals['_PROGRESS']._serialized_start=691
-  _globals['_PROGRESS']._serialized_end=913
-  _globals['_PROGRESS_METRICSENTRY']._serialized_start=839
-  _globals['_PROGRESS_METRICSENTRY']._serialized_end=885
-  _globals['_JOBSTATUS']._serialized_start=916
-  _globals['_JOBSTATUS']._serialized_end=1358
-  _globals['_TRAINING']._serialized_start=1482
-  _globals['_TRAINING']._serialized_end=1873
+  _globals['_TRAINREQUEST']._serialized_end=292
+  _globals['_TRAINRESPONSE']._serialized_start=294
+  _globals['_TRAINRESPONSE']._serialized_end=368
+  _globals['_STATUSREQUEST']._serialized_start=370
+  _globals['_STATUSREQUEST']._serialized_end=401
+  _globals['_LISTJOBSREQUEST']._serialized_start=403
+  _globals['_LISTJOBSREQUEST']._serialized_end=464
+  _globals['_LISTJOBSRESPONSE']._serialized_start=466
+  _globals['_LISTJOBSRESPONSE']._serialized_end=527
+  _globals['_CANCELREQUEST']._serialized_start=529
+  _globals['_CANCELREQUEST']._serialized_end=560
+  _globals['_LOGSREQUEST']._serialized_start=562
+  _globals['_LOGSREQUEST']._serialized_end=621
+  _globals['_LOGCHUNK']._serialized_start=623
+  _globals['_LOGCHUNK']._serialized_end=661
+  _globals['_RANKEXIT']._serialized_start=663
+  _globals['_RANKEXIT']._serialized_end=706
+  _globals['_PROGRESS']._serialized_start=709
+  _globals['_PROGRESS']._serialized_end=931
+  _globals['_PROGRESS_METRICSENTRY']._serialized_start=857
+  _globals['_PROGRESS_METRICSENTRY']._serialized_end=903
+  _globals['_JOBSTATUS']._serialized_start=934
+  _globals['_JOBSTATUS']._serialized_end=1412
+  _globals['_TRAINING']._serialized_start=1536
+  _globals['_TRAINING']._serialized_end=1927
 # @@protoc_insertion_point(module_scope)

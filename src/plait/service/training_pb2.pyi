@@ -26,7 +26,7 @@ FAILED: JobState
 CANCELLED: JobState
 
 class TrainRequest(_message.Message):
-    __slots__ = ("name", "entry_point", "args", "dataset", "parameters", "framework", "processes_per_worker", "timeout_s")
+    __slots__ = ("name", "entry_point", "args", "dataset", "parameters", "framework", "processes_per_worker", "timeout_s", "restarts")
     NAME_FIELD_NUMBER: _ClassVar[int]
     ENTRY_POINT_FIELD_NUMBER: _ClassVar[int]
     ARGS_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class TrainRequest(_message.Message):
     FRAMEWORK_FIELD_NUMBER: _ClassVar[int]
     PROCESSES_PER_WORKER_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
     name: str
     entry_point: str
     args: _containers.RepeatedScalarFieldContainer[str]
@@ -43,7 +44,8 @@ class TrainRequest(_message.Message):
     framework: str
     processes_per_worker: int
     timeout_s: float
-    def __init__(self, name: _Optional[str] = ..., entry_point: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., dataset: _Optional[str] = ..., parameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., framework: _Optional[str] = ..., processes_per_worker: _Optional[int] = ..., timeout_s: _Optional[float] = ...) -> None: ...
+    restarts: int
+    def __init__(self, name: _Optional[str] = ..., entry_point: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., dataset: _Optional[str] = ..., parameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., framework: _Optional[str] = ..., processes_per_worker: _Optional[int] = ..., timeout_s: _Optional[float] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class TrainResponse(_message.Message):
     __slots__ = ("job_id", "state")
@@ -125,7 +127,7 @@ class Progress(_message.Message):
     def __init__(self, step: _Optional[int] = ..., epoch: _Optional[int] = ..., loss: _Optional[float] = ..., metrics: _Optional[_Mapping[str, float]] = ..., updated_at: _Optional[float] = ...) -> None: ...
 
 class JobStatus(_message.Message):
-    __slots__ = ("job_id", "name", "state", "framework", "instances", "processes_per_worker", "created_at", "started_at", "finished_at", "exit_codes", "progress", "message", "artifact", "workers", "entry_point", "dataset", "parameters")
+    __slots__ = ("job_id", "name", "state", "framework", "instances", "processes_per_worker", "created_at", "started_at", "finished_at", "exit_codes", "progress", "message", "artifact", "workers", "entry_point", "dataset", "parameters", "attempts", "restarts")
     JOB_ID_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -143,6 +145,8 @@ class JobStatus(_message.Message):
     ENTRY_POINT_FIELD_NUMBER: _ClassVar[int]
     DATASET_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
     job_id: str
     name: str
     state: JobState
@@ -160,4 +164,6 @@ class JobStatus(_message.Message):
     entry_point: str
     dataset: str
     parameters: _struct_pb2.Struct
-    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., framework: _Optional[str] = ..., instances: _Optional[int] = ..., processes_per_worker: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_codes: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., message: _Optional[str] = ..., artifact: _Optional[str] = ..., workers: _Optional[_Iterable[str]] = ..., entry_point: _Optional[str] = ..., dataset: _Optional[str] = ..., parameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ...) -> None: ...
+    attempts: int
+    restarts: int
+    def __init__(self, job_id: _Optional[str] = ..., name: _Optional[str] = ..., state: _Optional[_Union[JobState, str]] = ..., framework: _Optional[str] = ..., instances: _Optional[int] = ..., processes_per_worker: _Optional[int] = ..., created_at: _Optional[float] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., exit_codes: _Optional[_Iterable[_Union[RankExit, _Mapping]]] = ..., progress: _Optional[_Union[Progress, _Mapping]] = ..., message: _Optional[str] = ..., artifact: _Optional[str] = ..., workers: _Optional[_Iterable[str]] = ..., entry_point: _Optional[str] = ..., dataset: _Optional[str] = ..., parameters: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., attempts: _Optional[int] = ..., restarts: _Optional[int] = ...) -> None: ...
