@@ -191,6 +191,9 @@ def test_queue_cancel_and_failure(small: Server) -> None:
     time.sleep(1.0)
     s = small.status(waiting)
     assert s.state == pb.QUEUED and "waiting for 1 free slots (0 of 2 free)" in s.message, s
+    env = mpi_env({"PLAIT_SERVICE": small.address, "PLAIT_SERVICE_TOKEN": small.token or ""})
+    follow = subprocess.Popen([sys.executable, "-m", "plait.cli", "jobs", "logs", waiting, "--follow"],
+                              env=env, stdout=subprocess.PIPE, text=True)
     assert len(_pids_with("svc-marker-hold")) >= 2
     out = small.cli("cancel", hold)
     assert out.returncode == 0 and "cancelled" in out.stdout, out.stdout + out.stderr
@@ -198,6 +201,8 @@ def test_queue_cancel_and_failure(small: Server) -> None:
     s = small.status(hold)
     assert s.state == pb.CANCELLED and s.finished_at >= s.started_at > 0 and len(s.exit_codes) == 2
     assert small.wait(waiting).state == pb.SUCCEEDED
+    out, _ = follow.communicate(timeout=60)  # followed the queued job's log until it ended
+    assert follow.returncode == 0 and "sleeping 0.0" in out and out.rstrip().endswith("slept"), out
     # a rank that fails ends the job: the other rank is killed after the abort grace
     failing = small.train("fail_rank.py", "none", 2)
     s = small.wait(failing, timeout=60)
@@ -237,6 +242,14 @@ def test_store_survives_kill_9(small: Server) -> None:
     assert small.wait(queued).state == pb.SUCCEEDED
     listed = small.cli("list")
     assert running in listed.stdout and queued in listed.stdout
+
+
+def test_import_plait_and_the_service_core_import_no_grpc() -> None:
+    code = ("import sys, plait, plait.service.core, plait.service.kubernetes, plait.service.bootstrap; "
+            "bad = [m for m in sys.modules if m.split('.')[0] in ('grpc', 'torch', 'tensorflow', 'mpi4py')]; "
+            "sys.exit(f'imported {bad}' if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
 
 
 def test_group_jobs(group_jobs: tuple[Server, dict[str, str]]) -> None:
