@@ -10,7 +10,17 @@ every rank of the job at once with a non-zero status.
 ``MPI_Abort`` itself can block for ever when the launcher cannot reach a host (a
 lost link: ``mpirun`` waits for the daemon it cannot kill), so before calling it
 the rank arms a watchdog that ends the process with :data:`ABORT_CODE` after
-:data:`EXIT_GRACE_S` seconds; the launcher then sees a failed rank. Without MPI
+:data:`EXIT_GRACE_S` seconds; the launcher then sees a failed rank. That is not
+enough under a raw ``mpirun``: once it queued its kill order for the lost host's
+daemon it waits for that daemon (TCP retransmits for about 15 minutes, and Open MPI's
+keepalive does not probe a connection with data in flight). So a rank whose parent
+is the launcher (``mpirun``/``orterun``/``mpiexec``/``prterun``: the ranks on the
+host where it runs) also starts a detached *reaper* before calling ``MPI_Abort``;
+if that launcher is still alive :data:`LAUNCHER_GRACE_S` seconds later, the reaper
+tells why on stderr and signals it as a user's repeated Ctrl-C would (SIGTERM three
+times, which makes Open MPI's launcher kill its local ranks and exit with status 1),
+then SIGKILLs it if it is still there. ``plait run`` ends such a launcher itself
+(see :mod:`plait.launch.run`); the reaper covers ``mpirun`` started by hand. Without MPI
 (``install(mpi=False)``: the Horovod backend under ``horovodrun --gloo``) the rank
 prints the error and exits at once with :data:`ABORT_CODE` instead of hanging in
 Horovod's shutdown; horovodrun then ends the other ranks.
@@ -21,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -30,12 +41,19 @@ from typing import Any
 
 from plait.errors import CollectiveTimeoutError, MismatchError, invalid
 
-__all__ = ["ABORT_CODE", "EXIT_GRACE_S", "install", "installed"]
+__all__ = ["ABORT_CODE", "EXIT_GRACE_S", "LAUNCHER_GRACE_S", "LAUNCHERS", "install", "installed",
+           "launcher_pid"]
 
 #: Exit status of a rank ended by :func:`install`'s hook (and of a job it aborted).
 ABORT_CODE = 3
 #: Seconds an aborting rank gives ``MPI_Abort`` to end it before it exits by itself.
 EXIT_GRACE_S = 5.0
+#: Seconds the launcher gets to end the job after a rank's ``MPI_Abort`` before that rank's
+#: reaper ends the launcher (``plait run`` ends it 10 s after the abort, which is cleaner:
+#: it kills the launcher's whole process tree, so it goes first).
+LAUNCHER_GRACE_S = 12.0
+#: Process names of MPI launchers whose ranks start a reaper (``/proc/PID/comm``).
+LAUNCHERS = ("mpirun", "orterun", "mpiexec", "prterun")
 _ABORT_ON: tuple[type[BaseException], ...] = (CollectiveTimeoutError, MismatchError)
 _STATE: dict[str, Any] = {}
 
@@ -69,6 +87,58 @@ def _exit_later(grace: float) -> None:
         signal.alarm(int(grace) + 2)
 
 
+def _start_time(pid: int) -> str | None:
+    """Field 22 of ``/proc/PID/stat`` (start time in clock ticks), None if unreadable."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def launcher_pid() -> int | None:
+    """The pid of this process's parent when it is an MPI launcher (see :data:`LAUNCHERS`).
+
+    Returns:
+        The pid, or None (a rank started by a remote daemon ``orted``, or no ``/proc``).
+    """
+    ppid = os.getppid()
+    try:
+        with open(f"/proc/{ppid}/comm") as f:
+            name = f.read().strip()
+    except OSError:
+        return None
+    return ppid if name in LAUNCHERS else None
+
+
+# sh -c REAPER PID START GRACE RANK: after GRACE s, if PID is the same process (start
+# time), say why and end it as repeated Ctrl-C would, then SIGKILL it.
+_REAPER = r"""
+pid=$1 start=$2 grace=$3 rank=$4
+same() { [ -r /proc/$pid/stat ] && [ "$(sed 's/.*) //' /proc/$pid/stat | cut -d' ' -f20)" = "$start" ]; }
+sleep "$grace"
+same || exit 0
+echo "plait: the launcher ($(cat /proc/$pid/comm 2>/dev/null) pid $pid) did not end the job" \
+  "within ${grace}s after rank $rank called MPI_Abort (a host unreachable?); ending it" >&2
+for i in 1 2 3; do same && kill -TERM "$pid" 2>/dev/null; sleep 0.5; done
+sleep 3
+same && kill -KILL "$pid" 2>/dev/null
+exit 0
+"""
+
+
+def _reap_launcher_later(rank: str, grace: float) -> None:
+    """Start the detached reaper of this rank's launcher (if its parent is one)."""
+    pid = launcher_pid()
+    start = _start_time(pid) if pid is not None else None
+    if pid is None or start is None:
+        return
+    with contextlib.suppress(OSError):
+        subprocess.Popen(["sh", "-c", _REAPER, "plait-reaper", str(pid), start, f"{grace:g}", rank],
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                         start_new_session=True, close_fds=True)
+
+
 def _abort(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
     from mpi4py import MPI
 
@@ -77,6 +147,7 @@ def _abort(kind: type[BaseException], value: BaseException, tb: TracebackType | 
     rank = str(MPI.COMM_WORLD.Get_rank())
     _report(kind, value, tb, rank, "aborts the job (MPI_Abort)")
     _exit_later(float(_STATE.get("grace", EXIT_GRACE_S)))
+    _reap_launcher_later(rank, LAUNCHER_GRACE_S)
     MPI.COMM_WORLD.Abort(ABORT_CODE)
 
 

@@ -79,7 +79,14 @@ case "$host" in
 {cases}
   *) echo "plait emulated-host agent: unknown host '$host' (known: {known})" >&2; exit 255 ;;
 esac
-exec {env}ip netns exec "$host" unshare --uts sh -c 'hostname "$0" && exec sh -c "$*"' "$host" "$@"
+# Like an ssh client, the agent relays for the remote command and ends it when it is told
+# to end (SIGTERM/SIGHUP/SIGINT): the command runs in a process group of its own (setsid),
+# which the agent signals as a whole, so no orphan keeps the launcher's pipes open (horovodrun
+# waits for them) after the launcher terminated its ssh.
+{env}setsid ip netns exec "$host" unshare --uts sh -c 'hostname "$0" && exec sh -c "$*"' "$host" "$@" 0<&0 &
+child=$!
+trap 'kill -TERM -- -$child 2>/dev/null; sleep 1; kill -KILL -- -$child 2>/dev/null; exit 143' TERM HUP INT
+wait $child
 """
 
 
