@@ -93,6 +93,26 @@ class _Request:
         return self.complete
 
 
+class _P2P(_Request):
+    """A point-to-point request (``send_async``/``recv_async``); an MPI error while it is
+    tested (a message longer than the receive buffer) is kept for ``wait`` instead of
+    escaping into the progress thread."""
+
+    def __init__(self, req: Any) -> None:
+        super().__init__(req)
+        self.status = MPI.Status()
+        self.error: Exception | None = None
+
+    def progress(self) -> bool:
+        if not self.complete:
+            try:
+                self.complete = bool(self._req.Test(self.status))
+            except MPI.Exception as exc:
+                self.error, self.complete = exc, True
+            self.moved += self.complete
+        return self.complete
+
+
 def _ranks(ranks: Sequence[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
 
@@ -646,6 +666,60 @@ class MPICommunicator(CommunicatorBase):
         self._poll(self.comm.Irecv(_flat_bytes(out), source=source, tag=tag),
                    f"a recv from rank {source} (tag {tag}) of {template.nbytes} bytes")
         return ops.from_numpy(out, like)
+
+    def send_async(self, tensor: Tensor, dest: int, tag: int = 0) -> Handle:
+        """Post a send of ``tensor`` to rank ``dest`` and return at once (no thread, no
+        polling until ``done()`` or ``wait()``); ``tensor`` must not change until the
+        handle's ``wait()`` returned.
+
+        Raises:
+            CollectiveTimeoutError: from ``wait()``, when the message is not taken within
+                the timeout.
+        """
+        self._validate_rank("dest", dest)
+        ops = self._ops(tensor, "send")
+        data = _flat_bytes(ops.to_numpy(tensor))
+        req = _P2P(self.comm.Isend(data, dest=dest, tag=tag))
+        return self._point(req, lambda: None, (data, tensor),
+                           f"a send to rank {dest} (tag {tag}) of {data.size} bytes")
+
+    def recv_async(self, like: Tensor, source: int, tag: int = 0) -> Handle:
+        """Post a receive of a tensor shaped and typed like ``like`` from rank ``source``;
+        ``wait()`` returns it.
+
+        Raises:
+            MismatchError: from ``wait()``, when the message's size differs from ``like``'s.
+            CollectiveTimeoutError: from ``wait()``, when no message arrives within the timeout.
+        """
+        self._validate_rank("source", source)
+        ops = self._ops(like, "recv")
+        template = ops.to_numpy(like)
+        out = np.empty(template.shape, dtype=template.dtype)
+        req = _P2P(self.comm.Irecv(_flat_bytes(out), source=source, tag=tag))
+
+        def finish() -> Tensor:
+            got = "more" if req.error is not None else req.status.Get_count(MPI.BYTE)
+            if got != template.nbytes:
+                raise MismatchError(
+                    f"{self!r}: recv from rank {source} (tag {tag}) expected {template.nbytes} "
+                    f"bytes (shape {template.shape}, {ops.dtype_name(like)}) but the message "
+                    f"has {got}")
+            return ops.from_numpy(out, like)
+
+        return self._point(req, finish, (out, like),
+                           f"a recv from rank {source} (tag {tag}) of {template.nbytes} bytes")
+
+    def _point(self, req: _P2P, finish: Callable[[], Any], keep: Any, what: str) -> Handle:
+        """A handle over a point-to-point request, tested only by its owner (``done``,
+        ``wait``; not by the progress thread: no lock, no thread per message); ``wait()``
+        is bounded by the timeout."""
+
+        def wait() -> None:
+            self._calls += 1
+            seq = self._calls
+            self._wait_until(req.progress, lambda: self._timeout_report(what, seq), seq)
+
+        return Pending(req.progress, wait, finish, keep)
 
     def _poll_probe(self, source: int, tag: int, status: Any) -> None:
         self._wait_until(lambda: bool(self.comm.Iprobe(source=source, tag=tag, status=status)),
