@@ -9,9 +9,12 @@ gradients of the chunk's input and variables given the upstream gradient
 :class:`KerasParams` holds this rank's variables, the accumulated gradients
 and the Keras optimizer.
 
-Layers must be built (a ``keras.Input`` in the Sequential, or
-``model.build``) before the model is split, so that every rank holds the
-same initial weights.
+A model given built (a ``keras.Input`` in the Sequential, or ``model.build``)
+is split as it is: every rank holds the same initial weights. A model whose
+layers are not built yet (no ``keras.Input``) is built per stage: each rank
+builds only its own stages' layers (:func:`materialize`, from the input shape
+and the layers' output shapes), and their weights equal a serial build's,
+since a Keras initializer draws its seed when the layer is constructed.
 """
 
 from __future__ import annotations
@@ -25,7 +28,8 @@ import tensorflow as tf
 
 from plait.parallel.pipeline.errors import PartitionError, PipelineTypeError
 
-__all__ = ["KerasParams", "KerasStage", "layer_times", "layers_of", "param_counts"]
+__all__ = ["KerasParams", "KerasStage", "is_deferred", "layer_times", "layers_of", "materialize",
+           "param_counts", "seed_generators"]
 
 framework = "tensorflow"
 
@@ -53,6 +57,58 @@ def layers_of(model: Any) -> list[keras.layers.Layer]:
     return layers
 
 
+def is_deferred(layers: Sequence[keras.layers.Layer]) -> bool:
+    """Whether some layer is not built yet (each rank then builds its own stages)."""
+    return not all(layer.built for layer in layers)
+
+
+def materialize(layers: Sequence[keras.layers.Layer], indices: Sequence[int] | None = None,
+                seed: int = 0, input_shape: Sequence[int] | None = None) -> None:
+    """Build the layers ``indices`` (default: all) that are not built yet, in place.
+
+    Each layer's input shape follows from ``input_shape`` through the earlier
+    layers' ``compute_output_shape`` (which creates no weights). ``seed`` is unused:
+    a Keras initializer drew its seed when its layer was constructed, so building
+    the same model description on every rank gives every stage the serial weights.
+
+    Args:
+        layers: The model's layers.
+        indices: The layers to build.
+        seed: Unused (the torch glue's per-layer seed base).
+        input_shape: The shape of one input sample, without the batch dimension.
+
+    Raises:
+        PartitionError: No ``input_shape``, or a layer cannot build on, or compute its
+            output shape from, the shape it gets (naming the layer and the shape).
+    """
+    del seed
+    if input_shape is None:
+        raise PartitionError(
+            "input_shape (one sample's shape, without the batch dimension) is required to build "
+            "a Keras model whose layers are not built, e.g. input_shape=(784,)")
+    wanted = set(range(len(layers)) if indices is None else indices)
+    shape: Any = (None, *input_shape)
+    for i, layer in enumerate(layers[: max(wanted) + 1] if wanted else []):
+        try:
+            if i in wanted and not layer.built:
+                layer.build(shape)
+            shape = layer.compute_output_shape(shape)
+        except Exception as exc:
+            raise PartitionError(
+                f"model[{i}] ({layer.name}) cannot be built on input shape {tuple(shape)}: "
+                f"{type(exc).__name__}: {exc}") from exc
+
+
+def seed_generators(layers: Sequence[keras.layers.Layer]) -> list[Any]:
+    """The ``keras.random.SeedGenerator`` of every layer (and nested layer), e.g. Dropout's."""
+    out: list[Any] = []
+    for layer in layers:
+        flat = getattr(layer, "_flatten_layers", None)
+        for sub in flat(include_self=True, recursive=True) if flat else [layer]:
+            out.extend(getattr(sub, "_seed_generators", []))
+    return out
+
+
 def param_counts(layers: Sequence[keras.layers.Layer]) -> list[int]:
     """Number of trainable weight elements of each (built) layer.
 
@@ -63,8 +119,9 @@ def param_counts(layers: Sequence[keras.layers.Layer]) -> list[int]:
     for i, layer in enumerate(layers):
         if not layer.built:
             raise PartitionError(
-                f"model[{i}] ({layer.name}) is not built; build the model (keras.Input or "
-                f"model.build(input_shape)) before splitting it into pipeline stages")
+                f"model[{i}] ({layer.name}) is not built; balance='params' needs built layers: "
+                f"build the model (keras.Input or model.build(input_shape)), or give balance as "
+                f"a list of layer counts")
         out.append(sum(int(tf.size(v.value)) for v in layer.trainable_variables))
     return out
 
@@ -105,7 +162,8 @@ class KerasStage:
         loss_fn: ``loss_fn(y_true, y_pred) -> scalar`` (Keras order), on the last stage.
         scale: Factor applied to each micro-batch loss before backward.
         checkpoint: Recompute the chunk's forward in backward instead of
-            keeping the tape (layers drawing random numbers draw new ones).
+            keeping the tape; the layers' seed generators (Dropout's) are set back
+            to their state before the forward, so the recompute draws the same masks.
     """
 
     def __init__(self, layers: Sequence[keras.layers.Layer], *, first: bool, last: bool,
@@ -117,6 +175,7 @@ class KerasStage:
         self.variables = [v for layer in self.layers for v in layer.trainable_variables]
         self.acc: list[Any] = [None] * len(self.variables)
         self.saved: dict[int, tuple[Any, ...]] = {}
+        self.seeds = seed_generators(self.layers)
         # The chunk's layers as one traced function: the tape records a single call op
         # (and its gradient is a traced function too) instead of every eager op.
         self._train_fn = tf.function(lambda x: _run(self.layers, x, True), reduce_retracing=True)
@@ -138,10 +197,11 @@ class KerasStage:
         """Run micro-batch ``mb``; return the output, or the loss on the last stage."""
         x = tf.convert_to_tensor(x)
         if self.checkpoint:
+            rng = self._rng()
             out = self._train_fn(x)
             if self.last:
                 out = (self.loss_fn(tf.convert_to_tensor(target), out), None)  # type: ignore[misc]
-            self.saved[mb] = (x, target)
+            self.saved[mb] = (x, target, rng)
         else:
             tape, out = self._record(x, target)
             self.saved[mb] = (x, tape, out)
@@ -152,7 +212,10 @@ class KerasStage:
         saved = self.saved.pop(mb)
         x = saved[0]
         if self.checkpoint:
+            keep = self._rng()
+            self._set_rng(saved[2])
             tape, out = self._record(x, saved[1])
+            self._set_rng(keep)
         else:
             tape, out = saved[1], saved[2]
         sources = ([] if self.first else [x]) + self.variables
@@ -168,6 +231,13 @@ class KerasStage:
                 g = tf.convert_to_tensor(g)
             self.acc[i] = g if self.acc[i] is None else self.acc[i] + g
         return gin
+
+    def _rng(self) -> list[Any]:
+        return [tf.identity(g.state.value) for g in self.seeds]
+
+    def _set_rng(self, states: Sequence[Any]) -> None:
+        for g, value in zip(self.seeds, states):
+            g.state.assign(value)
 
     def infer(self, x: Any) -> Any:
         """Inference-mode forward without a tape."""

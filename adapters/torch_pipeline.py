@@ -20,7 +20,8 @@ import torch
 
 from plait.parallel.pipeline.errors import PartitionError, PipelineTypeError
 
-__all__ = ["TorchParams", "TorchStage", "layer_times", "layers_of", "param_counts"]
+__all__ = ["TorchParams", "TorchStage", "is_deferred", "layer_times", "layers_of", "materialize",
+           "param_counts"]
 
 framework = "torch"
 
@@ -52,11 +53,64 @@ def param_counts(layers: Sequence[torch.nn.Module]) -> list[int]:
     return [sum(p.numel() for p in layer.parameters() if p.requires_grad) for layer in layers]
 
 
+def is_deferred(layers: Sequence[torch.nn.Module]) -> bool:
+    """Whether the model was described on the ``meta`` device (each rank builds its own stages)."""
+    return any(t.is_meta for layer in layers for t in (*layer.parameters(), *layer.buffers()))
+
+
+def _reset(module: torch.nn.Module, where: str) -> None:
+    for name, sub in module.named_modules():
+        own = [*sub.parameters(recurse=False), *sub.buffers(recurse=False)]
+        if not own:
+            continue
+        reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
+        if reset is None:
+            raise PartitionError(
+                f"{where}: submodule {name or '(the layer)'} ({type(sub).__name__}) has parameters "
+                f"on the meta device but no reset_parameters() to initialise them; give it one "
+                f"or build the model on the cpu")
+        reset()
+
+
+def materialize(layers: Sequence[torch.nn.Module], indices: Sequence[int] | None = None,
+                seed: int = 0, input_shape: Any = None) -> None:
+    """Give layers described on the ``meta`` device real (cpu) storage and initial values, in place.
+
+    Layer ``i`` is initialised by the ``reset_parameters()`` of its submodules under
+    ``torch.manual_seed(seed + i)`` (the caller's RNG state is kept), so a rank that
+    materialises only its own stages' layers holds the same weights as a serial model
+    materialised whole: ``materialize(model)`` builds that serial reference.
+
+    Args:
+        layers: The model's layers (a ``Sequential``'s children), some on ``meta``.
+        indices: The layers to materialise (default: all).
+        seed: Base seed of the per-layer initialisation.
+        input_shape: Unused (torch layers know their shapes when described).
+
+    Raises:
+        PartitionError: A submodule with parameters has no ``reset_parameters``.
+    """
+    del input_shape
+    layers = list(layers.children()) if isinstance(layers, torch.nn.Sequential) else list(layers)
+    for i in range(len(layers)) if indices is None else indices:
+        layer = layers[i]
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed + i)
+            layer.to_empty(device="cpu")
+            _reset(layer, f"model[{i}] ({type(layer).__name__})")
+
+
 def layer_times(layers: Sequence[torch.nn.Module], sample: Any, repeats: int = 3) -> list[float]:
     """Measured forward + backward seconds of each layer on ``sample`` (best of ``repeats``).
 
     Gradients produced while measuring are discarded.
+
+    Raises:
+        PartitionError: The model is on the ``meta`` device (nothing to time).
     """
+    if is_deferred(layers):
+        raise PartitionError("balance='time' needs a model with real weights, got one on the meta "
+                             "device; use balance='params' or a list of layer counts")
     x = torch.as_tensor(sample)
     times = []
     for layer in layers:

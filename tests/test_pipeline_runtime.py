@@ -7,7 +7,9 @@ import pytest
 
 from plait.parallel.pipeline import PartitionError, PipelineError, PipelineTypeError, framework_of
 from plait.parallel.pipeline.api import ABSENT, SCALAR, batch_error
-from plait.parallel.pipeline.runtime import MAX_TAG, _header, _template, check_tags, message_tag
+from plait.parallel.pipeline.runtime import MAX_TAG, check_tags, message_tag
+from plait.parallel.pipeline.wire import header as _header
+from plait.parallel.pipeline.wire import template as _template
 
 
 def test_tags_are_unique_per_family_stage_and_microbatch():

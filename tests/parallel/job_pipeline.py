@@ -29,7 +29,7 @@ def data(step: int) -> tuple[np.ndarray, np.ndarray]:
 
 
 # -- torch -----------------------------------------------------------------------------
-def torch_model():
+def torch_model(drop: float = 0.0):
     import torch
 
     torch.manual_seed(0)
@@ -38,6 +38,8 @@ def torch_model():
         layers.append(torch.nn.Linear(WIDTHS[i], WIDTHS[i + 1]))
         if i < len(WIDTHS) - 2:
             layers.append(torch.nn.Tanh())
+            if drop:
+                layers.append(torch.nn.Dropout(drop))
     return torch.nn.Sequential(*layers)
 
 
@@ -47,10 +49,18 @@ def torch_opt(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def torch_serial() -> tuple[list[float], list[np.ndarray]]:
+def torch_meta_model(drop: float = 0.0):
+    """torch_model described on the meta device (no weights): each rank builds its stages."""
     import torch
 
-    model = torch_model()
+    with torch.device("meta"):
+        return torch_model(drop)
+
+
+def torch_serial(model=None) -> tuple[list[float], list[np.ndarray]]:
+    import torch
+
+    model = torch_model() if model is None else model
     opt = torch_opt(model.parameters())
     losses = []
     for step in range(STEPS):
@@ -74,15 +84,18 @@ def layer_weights(layer) -> np.ndarray:
 
 
 # -- keras -----------------------------------------------------------------------------
-def keras_model():
+def keras_model(built: bool = True, drop: float = 0.0):
+    """The Keras model; ``built=False``: no keras.Input, so no layer has weights yet."""
     import keras
 
     keras.utils.set_random_seed(0)
-    layers: list = [keras.Input((WIDTHS[0],))]
+    layers: list = [keras.Input((WIDTHS[0],))] if built else []
     for i in range(len(WIDTHS) - 1):
         layers.append(keras.layers.Dense(WIDTHS[i + 1]))
         if i < len(WIDTHS) - 2:
             layers.append(keras.layers.Activation("tanh"))
+            if drop:
+                layers.append(keras.layers.Dropout(drop))
     return keras.Sequential(layers)
 
 
@@ -219,6 +232,83 @@ def test_predict_returns_output_on_last_rank(comm, framework):
     pipe.close()
 
 
+# -- per-stage construction, recomputation ------------------------------------------------------
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_per_stage_construction_builds_only_own_stages_and_matches_serial(comm, framework):
+    """A model described without weights (torch meta device, Keras layers not built): each
+    rank builds only its own stages' layers, and training matches the serial build."""
+    if framework == "torch":
+        import torch
+        from plait.adapters.torch_pipeline import materialize
+
+        if "torch-meta" not in _SERIAL:
+            reference = torch_meta_model()
+            materialize(reference, seed=7)
+            _SERIAL["torch-meta"] = torch_serial(reference)
+        ref_losses, ref_weights = _SERIAL["torch-meta"]
+        model = torch_meta_model()
+        pipe = Pipeline(model, comm=comm, microbatches=2 * comm.size, seed=7,
+                        balance="params", loss_fn=torch.nn.CrossEntropyLoss(), optimizer=torch_opt)
+        everything = list(model)
+
+        def built(layer):
+            return not any(p.is_meta for p in layer.parameters())
+
+        def weighted(layer):
+            return bool(list(layer.parameters()))
+    else:
+        ref_losses, ref_weights = serial("keras")
+        model = keras_model(built=False)
+        pipe = Pipeline(model, comm=comm, microbatches=2 * comm.size,
+                        input_shape=(WIDTHS[0],), loss_fn=keras_loss(), optimizer=keras_opt())
+        everything = model.layers
+
+        def built(layer):
+            return layer.built
+
+        def weighted(layer):
+            return "dense" in layer.name
+    assert pipe.deferred
+    held = {id(m) for s in pipe.stage_ids for m in pipe.local_layers[s]}
+    for s, (a, b) in enumerate(pipe.bounds):
+        for layer in everything[a:b]:
+            if weighted(layer):
+                assert built(layer) == (id(layer) in held), (s, layer)
+    for step in range(STEPS):
+        loss = pipe.train_step(*batch(framework, step))
+        assert abs(loss - ref_losses[step]) < 1e-5, (step, loss, ref_losses[step])
+    for s, (a, _b) in enumerate(pipe.bounds):
+        for i, layer in enumerate(pipe.local_layers.get(s, [])):
+            np.testing.assert_allclose(layer_weights(layer), ref_weights[a + i], rtol=0, atol=1e-5)
+    pipe.close()
+
+
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_recompute_draws_the_same_dropout_masks(comm, framework):
+    """With dropout, checkpoint=True must give the gradients (so the weights) of checkpoint=False."""
+    results = []
+    for checkpoint in (False, True):
+        if framework == "torch":
+            import torch
+
+            torch.manual_seed(1234)  # the dropout masks' stream, the same for both runs
+            pipe = Pipeline(torch_model(drop=0.5), comm=comm, microbatches=2 * comm.size,
+                            checkpoint=checkpoint, loss_fn=torch.nn.CrossEntropyLoss(),
+                            optimizer=torch_opt)
+        else:
+            pipe = Pipeline(keras_model(drop=0.5), comm=comm, microbatches=2 * comm.size,
+                            checkpoint=checkpoint, loss_fn=keras_loss(), optimizer=keras_opt())
+        losses = [pipe.train_step(*batch(framework, step)) for step in range(2)]
+        weights = [layer_weights(m) for s in pipe.stage_ids for m in pipe.local_layers[s]]
+        results.append((losses, weights))
+        pipe.close()
+    (l0, w0), (l1, w1) = results
+    np.testing.assert_allclose(l1, l0, rtol=0, atol=1e-6)
+    for a, b in zip(w0, w1):
+        np.testing.assert_allclose(b, a, rtol=0, atol=1e-6)
+    assert abs(l0[0] - serial(framework)[0][0]) > 1e-4  # dropout really changed the loss
+
+
 # -- errors, before any communication, on every rank ---------------------------------------------
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_bad_settings_raise_on_every_rank(comm, framework):
@@ -268,6 +358,50 @@ def test_bad_batch_given_only_to_the_end_stages_raises_on_every_rank(comm):
     loss = pipe.train_step(*ends(x, y))  # nothing was changed by the failed steps
     assert abs(loss - serial("torch")[0][0]) < 1e-5
     pipe.close()
+
+
+def test_stage_failing_to_build_on_one_rank_raises_on_every_rank(comm):
+    import torch
+
+    class NoReset(torch.nn.Module):  # parameters, but nothing to initialise them with
+        def __init__(self):
+            super().__init__()
+            self.w = torch.nn.Parameter(torch.empty(WIDTHS[-2], WIDTHS[-1]))
+
+        def forward(self, x):
+            return x @ self.w
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(*list(torch_model())[:-1], NoReset())
+    last = comm.size - 1
+    with pytest.raises(PartitionError, match=f"building the pipeline stages failed on job rank {last} "
+                                             f"\\(stage {last} on pipeline rank {last}: .*NoReset"):
+        Pipeline(model, comm=comm, microbatches=2, loss_fn=torch.nn.CrossEntropyLoss())
+    comm.barrier()
+
+
+def test_stage_output_not_fitting_the_next_stage_raises_on_every_rank(comm):
+    """The last stage's Linear expects 12 features and gets 16: its rank fails in forward and
+    every other rank (waiting for messages of that step) raises too, naming stage and shape."""
+    import torch
+
+    from plait.parallel.pipeline import StageFailed
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16), torch.nn.Tanh(),
+              torch.nn.Linear(12, 5)]
+    last = comm.size - 1
+    pipe = Pipeline(torch.nn.Sequential(*layers), comm=comm, microbatches=4,
+                    balance=[1] * last + [5 - last], loss_fn=torch.nn.CrossEntropyLoss(),
+                    optimizer=torch_opt)
+    with pytest.raises(StageFailed, match=f"forward\\(mb=0, stage={last}\\) failed on pipeline rank "
+                                          f"{last} \\(its input has shape \\(6, "):
+        pipe.train_step(*batch("torch", 0))
+    with pytest.raises(PipelineError, match="failed half-way"):
+        pipe.train_step(*batch("torch", 0))
+    pipe.close()
+    comm.barrier()
+    train_and_compare("torch", make_pipeline("torch", comm, microbatches=4))  # nothing left behind
 
 
 def test_timeline_records_every_pipeline_action(comm):

@@ -12,6 +12,7 @@ from .errors import (
     PipelineTypeError,
     ScheduleDeadlock,
     ScheduleError,
+    StageFailed,
 )
 from .partition import (
     balance_by_cost,
@@ -49,6 +50,7 @@ __all__ = [
     "SimResult",
     "Span",
     "StageExecutor",
+    "StageFailed",
     "StepStats",
     "balance_by_cost",
     "check_balance",

@@ -24,6 +24,15 @@ Example (torch, 2 ranks)::
                           schedule="1f1b", loss_fn=torch.nn.CrossEntropyLoss(),
                           optimizer=lambda params: torch.optim.SGD(params, lr=0.1))
     loss = pipe.train_step(x, y)    # same x, y on every rank (or x on the first, y on the last)
+
+A model too large for one process is described without weights and built per
+stage: each rank materialises only its own layers (torch: ``reset_parameters()``
+under seed ``seed + i`` for layer ``i``; Keras: ``layer.build`` on the shape that
+reaches it), and a stage that fails to build raises on every rank::
+
+    with torch.device("meta"):
+        model = torch.nn.Sequential(...)
+    pipe = plait.Pipeline(model, microbatches=8, loss_fn=..., optimizer=...)
 """
 
 from __future__ import annotations
@@ -136,10 +145,14 @@ class Pipeline:
     """Pipeline-parallel training of a sequential torch or Keras model.
 
     Args:
-        model: ``torch.nn.Sequential``, ``keras.Sequential`` (built), or a list of
-            torch modules / Keras layers. Every rank passes the same model (same
-            initial weights); the pipeline references only this rank's stages' layers
-            (drop your own reference to the model to free the others' memory).
+        model: ``torch.nn.Sequential``, ``keras.Sequential``, or a list of torch
+            modules / Keras layers. Every rank passes the same model. Described without
+            weights (torch: built under ``torch.device("meta")``; Keras: no
+            ``keras.Input``, layers not built), each rank builds only its own stages'
+            layers (per-stage construction: parameters and optimizer state of 1/P of
+            the model per rank); given with weights (the same initial weights on every
+            rank), the pipeline references only this rank's stages' layers (drop your
+            own reference to the model to free the others' memory).
         stages: Pipeline ranks ``P`` (default: all ranks of the pipeline communicator).
         microbatches: Micro-batches per step ``M``; the batch must divide by it.
         schedule: ``"gpipe"``, ``"1f1b"`` or ``"interleaved"``.
@@ -161,10 +174,18 @@ class Pipeline:
         checkpoint: Recompute activations in backward: a bool for every stage or
             one bool per virtual stage.
         sample_input: An input batch, required by ``balance="time"``.
+        seed: Base seed of per-stage construction: a model described without weights
+            (torch: on the ``meta`` device; Keras: layers not built) is built by each
+            rank for its own stages only, layer ``i`` initialised under seed ``seed + i``
+            (``plait.adapters.torch_pipeline.materialize`` /
+            ``plait.adapters.keras_pipeline.materialize`` build the same weights serially).
+        input_shape: Keras layers not built: the shape of one input sample (no batch
+            dimension), from which every stage's input shape follows.
 
     Raises:
         PipelineTypeError: An argument has the wrong type.
-        PartitionError: The model cannot be split into the stages, a bad balance.
+        PartitionError: The model cannot be split into the stages, a bad balance, or
+            a stage failed to build on some rank (raised on every rank, naming it).
         PipelineError: Unknown schedule, stages different from the pipeline size,
             bad ``chunks``, ``microbatches`` not a multiple of ``stages`` for
             ``"interleaved"``.
@@ -175,13 +196,15 @@ class Pipeline:
         stage_ids: The virtual stages this rank runs.
         balance: Layers per virtual stage; ``bounds``: their ``(start, stop)``.
         local_layers: The layers this rank holds, by virtual stage.
+        deferred: Whether the model was built per stage (described without weights).
         last_stats: :class:`~.runtime.StepStats` of the latest step on this rank.
     """
 
     def __init__(self, model: Any, stages: int | None = None, microbatches: int = 1,
                  schedule: str = "1f1b", *, balance: Any = None, chunks: int | None = None,
                  comm: Any = None, loss_fn: Any = None, optimizer: Any = None,
-                 checkpoint: bool | Sequence[bool] = False, sample_input: Any = None) -> None:
+                 checkpoint: bool | Sequence[bool] = False, sample_input: Any = None,
+                 seed: int = 0, input_shape: Sequence[int] | None = None) -> None:
         self.framework = framework_of(model)
         glue: Any = importlib.import_module(_GLUE[self.framework])
         layers = glue.layers_of(model)
@@ -214,6 +237,9 @@ class Pipeline:
         self.bounds = partition_sizes_to_bounds(self.balance)
         rank = self.pipe_comm.rank
         self.stage_ids = [c * p + rank for c in range(v)]
+        self.deferred = bool(glue.is_deferred(layers))
+        if self.deferred:
+            self._build_stages(glue, layers, seed, input_shape)
         self.local_layers = {s: layers[a:b] for s, (a, b) in enumerate(self.bounds)
                              if s in self.stage_ids}
         stage_cls = glue.TorchStage if self.framework == "torch" else glue.KerasStage
@@ -223,7 +249,12 @@ class Pipeline:
                          loss_fn=loss_fn, scale=1.0 / microbatches, checkpoint=marks[s])
             for s in self.stage_ids}
         self.params = params_cls([self.executors[s] for s in self.stage_ids], optimizer)
-        self.runtime = Runtime(self.pipe_comm, dict(self.executors), self.vstages, microbatches)
+        # The messages of this pipeline travel on a communicator of its own (MPI backend): a
+        # step that failed half-way leaves messages behind, which no later pipeline may receive.
+        wire = self.pipe_comm
+        if getattr(wire, "backend", "") == "mpi":
+            wire = wire.split(0, wire.rank)
+        self.runtime = Runtime(wire, dict(self.executors), self.vstages, microbatches)
         self.actions = self.schedule[rank]
         self.last_stats = StepStats()
         self._reducer: Any = None
@@ -246,6 +277,26 @@ class Pipeline:
                 f"comm must be a plait.Mesh, a plait Communicator or None, got {type(comm).__name__}")
         self.job_comm, self._pipe_id = comm, 0
         return comm, None
+
+    def _build_stages(self, glue: Any, layers: list[Any], seed: int, input_shape: Any) -> None:
+        """Build this rank's stages of a model described without weights; agree on the outcome.
+
+        Raises:
+            PartitionError: A stage failed to build on some rank (on every rank of the job,
+                naming the stage, the rank and the reason).
+        """
+        mine = [i for s in self.stage_ids for i in range(*self.bounds[s])]
+        problem = None
+        try:
+            glue.materialize(layers, mine, seed, **({} if input_shape is None
+                                                    else {"input_shape": input_shape}))
+        except Exception as exc:  # reported to every rank below
+            stages = ", ".join(str(s) for s in self.stage_ids)
+            problem = f"stage {stages} on pipeline rank {self.pipe_comm.rank}: {type(exc).__name__}: {exc}"
+        everyone = self.job_comm.allgather_object(problem)
+        failed = [f"rank {r} ({p})" for r, p in enumerate(everyone) if p is not None]
+        if failed:
+            raise PartitionError(f"building the pipeline stages failed on job {'; '.join(failed)}")
 
     def _checkpoint(self, checkpoint: Any) -> list[bool]:
         if isinstance(checkpoint, bool):

@@ -19,6 +19,7 @@ __all__ = [
     "PipelineTypeError",
     "ScheduleDeadlock",
     "ScheduleError",
+    "StageFailed",
 ]
 
 
@@ -32,6 +33,19 @@ class PipelineTypeError(PipelineError, TypeError):
 
 class PartitionError(PipelineError):
     """A model cannot be split into the requested stages or micro-batches."""
+
+
+class StageFailed(PipelineError):
+    """A stage raised during a step (on this rank, or on another pipeline rank, which
+    told this one): the message names the action, the rank and the error.
+
+    Attributes:
+        remote: True when another pipeline rank failed and told this one.
+    """
+
+    def __init__(self, message: str, remote: bool = False) -> None:
+        super().__init__(message)
+        self.remote = remote
 
 
 class ScheduleError(PipelineError):

@@ -8,23 +8,22 @@ interprets one rank's list: compute goes to a per-chunk :class:`StageExecutor`
 communicator's ``send``/``recv``. Nothing here imports a framework.
 
 Wire format
-    Activations and gradients travel as numpy arrays (host buffers). The
-    receiver of an activation does not know its shape in advance: the sender
-    of stage ``s`` sends a small int64 *header* (dtype code, rank, shape)
-    together with the activation of micro-batch 0 of every step, and every
-    micro-batch of a step has that shape (the batch is split evenly). A
-    gradient has the shape of the activation it belongs to, which its
-    receiver produced itself, so gradients need no header.
+    See :mod:`.wire`: activations and gradients travel as numpy arrays; the
+    sender of stage ``s`` describes the shape and dtype of its activations in a
+    small header once per step, with micro-batch 0.
 
-Eager sends
+Nonblocking messages
     In the steady state of 1F1B neighbouring ranks send to each other at the
     same time, so blocking (rendezvous) sends deadlock (the simulator shows
-    it). Sends are therefore posted without waiting: with the communicator's
-    ``send_async`` where it has one, else on a small pool of sender threads
-    (MPI is initialised with ``MPI_THREAD_MULTIPLE``); all sends of a step
-    are waited for at its end. Every message has its own tag
-    ``(family, stage, micro-batch)``, so the order in which ranks post
-    receives never matters.
+    it). Sends are therefore posted without waiting (the communicator's
+    ``send_async``) and waited for at the end of the step. Receives are posted
+    ahead: each step starts by posting the headers' receives, and before every
+    action the next :data:`RECV_AHEAD` receives of the rank's action list are
+    posted (as soon as their shape is known), so a message moves while its
+    receiver still computes and a receive action mostly finds its data there.
+    Every message has its own tag ``(family, stage, micro-batch)``, so the
+    order in which ranks post receives never matters. Nothing is agreed per
+    message: there is no collective inside a step.
 
 Timeline
     With ``PLAIT_TIMELINE`` set (see :mod:`plait.collectives.timeline`) every
@@ -38,26 +37,26 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
-from plait.collectives.timeline import span
-from plait.errors import CollectiveTimeoutError
+from plait.collectives.timeline import Recorder, span
 from plait.protocols import Communicator
 
-from .errors import PipelineError
+from .errors import PipelineError, StageFailed
 from .schedule import Action, ActionKind
+from .wire import HEADER_LEN, Notices, Wire, header, template, to_numpy
 
-__all__ = ["MAX_TAG", "StageExecutor", "StepStats", "run_schedule", "run_forward", "message_tag"]
+__all__ = ["MAX_TAG", "RECV_AHEAD", "StageExecutor", "StepStats", "run_schedule", "run_forward",
+           "message_tag"]
 
 #: The MPI standard guarantees tags up to 32767.
 MAX_TAG = 32767
-_HEADER_LEN = 10  # dtype code, ndim, up to 8 dims
-_DTYPES = ("float32", "float64", "float16", "int64", "int32", "int16", "int8", "uint8", "bool")
-_ACT, _GRAD, _HEAD = 0, 1, 2
+#: Receives posted ahead of the action that consumes them (each holds one buffer).
+RECV_AHEAD = 2
+_ACT, _GRAD, _HEAD, _NOTICE = 0, 1, 2, 3
 
 
 class StageExecutor(Protocol):
@@ -117,75 +116,12 @@ def check_tags(stages: int, microbatches: int) -> None:
     Raises:
         PipelineError: ``3 * stages * microbatches + 1 > MAX_TAG``.
     """
-    if message_tag(_HEAD, stages - 1, microbatches - 1, stages, microbatches) > MAX_TAG:
+    if message_tag(_NOTICE, 0, 0, stages, microbatches) > MAX_TAG:
         raise PipelineError(
             f"microbatches x virtual stages is too large for MPI tags: "
             f"microbatches={microbatches}, stages={stages}; need "
             f"3 * stages * microbatches < {MAX_TAG}"
         )
-
-
-def _header(a: np.ndarray) -> np.ndarray:
-    name = a.dtype.name
-    if name not in _DTYPES:
-        raise PipelineError(f"activation dtype must be one of {_DTYPES}, got {name}")
-    if a.ndim > _HEADER_LEN - 2:
-        raise PipelineError(f"activations may have at most {_HEADER_LEN - 2} dims, got {a.shape}")
-    h = np.zeros(_HEADER_LEN, dtype=np.int64)
-    h[0], h[1] = _DTYPES.index(name), a.ndim
-    h[2:2 + a.ndim] = a.shape
-    return h
-
-
-def _template(h: np.ndarray) -> np.ndarray:
-    ndim = int(h[1])
-    return np.empty(tuple(int(d) for d in h[2:2 + ndim]), dtype=_DTYPES[int(h[0])])
-
-
-def _to_numpy(t: Any) -> np.ndarray:
-    if isinstance(t, np.ndarray):
-        return t
-    from plait.adapters import ops_for
-
-    return np.ascontiguousarray(ops_for(t).to_numpy(t))
-
-
-class _Sender:
-    """Posts sends without waiting for their receives (see the module docstring)."""
-
-    def __init__(self, comm: Communicator, workers: int) -> None:
-        self.comm = comm
-        self.native: Any = getattr(comm, "send_async", None)
-        self.timeout = float(getattr(comm, "timeout", 300.0))
-        self.pool = None if self.native else ThreadPoolExecutor(
-            max_workers=max(2, workers), thread_name_prefix="plait-pipeline-send")
-        self.pending: list[Any] = []
-
-    def send(self, array: np.ndarray, dest: int, tag: int) -> None:
-        if self.pool is None:
-            self.pending.append(self.native(array, dest, tag))
-        else:
-            self.pending.append(self.pool.submit(self.comm.send, array, dest, tag))
-
-    def flush(self) -> None:
-        """Wait for every posted send; re-raise the first failure."""
-        deadline = time.monotonic() + self.timeout
-        pending, self.pending = self.pending, []
-        for p in pending:
-            if isinstance(p, Future):
-                left = max(0.0, deadline - time.monotonic())
-                try:
-                    p.result(timeout=left)
-                except TimeoutError:
-                    raise CollectiveTimeoutError(
-                        f"pipeline send not received within {self.timeout:g}s; "
-                        f"a neighbouring stage is dead or stuck") from None
-            else:
-                p.wait()
-
-    def close(self) -> None:
-        if self.pool is not None:
-            self.pool.shutdown(wait=False)
 
 
 class Runtime:
@@ -206,7 +142,10 @@ class Runtime:
         check_tags(stages, microbatches)
         self.comm, self.executors = comm, executors
         self.stages, self.microbatches = stages, microbatches
-        self.sender = _Sender(comm, 2 * stages * microbatches + 2)
+        self.wire = Wire(comm, 2 * stages * microbatches + 2)
+        peers = [r for r in range(comm.size) if r != comm.rank]
+        self.notices = Notices(self.wire, peers, message_tag(_NOTICE, 0, 0, stages, microbatches))
+        self.broken = ""
 
     def _tag(self, family: int, stage: int, mb: int) -> int:
         return message_tag(family, stage, mb, self.stages, self.microbatches)
@@ -225,80 +164,28 @@ class Runtime:
             stage) and this rank's timers.
 
         Raises:
-            PipelineError: An action names a stage this rank does not hold.
+            PipelineError: An action names a stage this rank does not hold, or an
+                earlier step failed half-way (its messages may still be in flight).
             CollectiveTimeoutError: A message did not arrive in time.
             MismatchError: A message had another size than expected.
         """
-        last = self.stages - 1
-        acts: dict[tuple[int, int], Any] = {}     # input of (stage, mb)
-        grads: dict[tuple[int, int], Any] = {}    # output gradient of (stage, mb)
-        outbox: dict[tuple[int, int], Any] = {}   # tensor to send for (stage, mb)
-        like: dict[tuple[int, int], np.ndarray] = {}  # what a recv_grad of (stage, mb) looks like
-        meta: dict[int, np.ndarray] = {}          # activation template received for a stage
-        losses: dict[int, float] = {}
-        stats = StepStats()
-        live = 0
-        t0 = time.perf_counter()
+        if self.broken:
+            raise PipelineError(
+                f"an earlier step of this pipeline failed half-way ({self.broken}); its messages "
+                f"may still be in flight, so build a new Pipeline")
+        self.notices.open()
         try:
-            for a in actions:
-                s, mb = a.stage, a.microbatch
-                with span(str(a), "pipeline", kind=a.kind.value, stage=s, microbatch=mb,
-                          peer=a.peer):
-                    if a.kind is ActionKind.FORWARD:
-                        ex = self._executor(s)
-                        x = inputs[mb] if s == 0 and inputs is not None else acts.pop((s, mb))
-                        start = time.perf_counter()
-                        out = ex.forward(mb, x, targets[mb] if s == last and targets is not None
-                                         else None)
-                        end = time.perf_counter()
-                        stats.forward += end - start
-                        stats.spans.append((start - t0, end - t0, "F", s, mb))
-                        live += 1
-                        stats.peak_live = max(stats.peak_live, live)
-                        if s == last:
-                            losses[mb] = float(out)
-                        elif s + 1 in self.executors:
-                            acts[(s + 1, mb)] = out
-                        else:
-                            outbox[(s, mb)] = out
-                    elif a.kind is ActionKind.BACKWARD:
-                        ex = self._executor(s)
-                        g = None if s == last else grads.pop((s, mb))
-                        start = time.perf_counter()
-                        gin = ex.backward(mb, g)
-                        end = time.perf_counter()
-                        stats.backward += end - start
-                        stats.spans.append((start - t0, end - t0, "B", s, mb))
-                        live -= 1
-                        if s > 0:
-                            if s - 1 in self.executors:
-                                grads[(s - 1, mb)] = gin
-                            else:
-                                outbox[(s, mb)] = gin
-                    elif a.kind is ActionKind.SEND_ACT:
-                        arr = _to_numpy(outbox.pop((s, mb)))
-                        like[(s, mb)] = arr
-                        if mb == 0:
-                            self.sender.send(_header(arr), _peer(a), self._tag(_HEAD, s, 0))
-                        self.sender.send(arr, _peer(a), self._tag(_ACT, s, mb))
-                    elif a.kind is ActionKind.SEND_GRAD:
-                        arr = _to_numpy(outbox.pop((s, mb)))
-                        self.sender.send(arr, _peer(a), self._tag(_GRAD, s, mb))
-                    elif a.kind is ActionKind.RECV_ACT:
-                        if s not in meta:
-                            head = np.zeros(_HEADER_LEN, dtype=np.int64)
-                            meta[s] = _template(self.comm.recv(head, _peer(a), self._tag(_HEAD, s - 1, 0)))
-                        acts[(s, mb)] = self.comm.recv(meta[s], _peer(a), self._tag(_ACT, s - 1, mb))
-                    else:  # RECV_GRAD
-                        grads[(s, mb)] = self.comm.recv(like.pop((s, mb)), _peer(a),
-                                                        self._tag(_GRAD, s + 1, mb))
-            self.sender.flush()
-        except BaseException:
-            self.sender.pending.clear()
+            step = _Step(self, actions)
+            losses = step.execute(inputs, targets)
+            self.wire.flush(self.notices.wait)
+        except BaseException as exc:
+            self.wire.pending.clear()
+            self.broken = f"{type(exc).__name__}: {exc}"[:300]
+            if not (isinstance(exc, StageFailed) and exc.remote):
+                self.notices.tell(f"{type(exc).__name__}: {exc}")
             raise
-        stats.wall = time.perf_counter() - t0
-        stats.busy = stats.forward + stats.backward
-        return [losses[mb] for mb in sorted(losses)], stats
+        self.notices.finish()
+        return losses, step.stats
 
     def forward_only(self, x: Any, ranks: int) -> Any:
         """Run the whole model forward on one batch without keeping activations.
@@ -316,21 +203,26 @@ class Runtime:
                 continue
             if s > 0 and s - 1 not in self.executors:
                 src = (s - 1) % ranks
-                head = self.comm.recv(np.zeros(_HEADER_LEN, dtype=np.int64), src,
+                head = self.comm.recv(np.zeros(HEADER_LEN, dtype=np.int64), src,
                                       self._tag(_HEAD, s - 1, 0))
-                out = self.comm.recv(_template(head), src, self._tag(_ACT, s - 1, 0))
+                out = self.comm.recv(template(head), src, self._tag(_ACT, s - 1, 0))
             elif s == 0:
                 out = x
             with span(f"infer(stage={s})", "pipeline", kind="infer", stage=s):
                 out = self.executors[s].infer(out)
             if s + 1 < self.stages and s + 1 not in self.executors:
-                arr = _to_numpy(out)
-                self.sender.send(_header(arr), (s + 1) % ranks, self._tag(_HEAD, s, 0))
-                self.sender.send(arr, (s + 1) % ranks, self._tag(_ACT, s, 0))
-        self.sender.flush()
+                arr = to_numpy(out)
+                self.wire.send(header(arr), (s + 1) % ranks, self._tag(_HEAD, s, 0))
+                self.wire.send(arr, (s + 1) % ranks, self._tag(_ACT, s, 0))
+        self.wire.flush()
         return out if self.stages - 1 in self.executors else None
 
-    def _executor(self, stage: int) -> StageExecutor:
+    def executor(self, stage: int) -> StageExecutor:
+        """The executor of ``stage``.
+
+        Raises:
+            PipelineError: This rank does not hold ``stage``.
+        """
         ex = self.executors.get(stage)
         if ex is None:
             raise PipelineError(
@@ -340,7 +232,146 @@ class Runtime:
 
     def close(self) -> None:
         """Release the sender threads."""
-        self.sender.close()
+        self.wire.close()
+
+
+class _Step:
+    """One step of one rank: the state that :meth:`Runtime.run` threads through its actions."""
+
+    def __init__(self, rt: Runtime, actions: Sequence[Action]) -> None:
+        self.rt, self.actions, self.wire = rt, actions, rt.wire
+        self.last = rt.stages - 1
+        self.acts: dict[tuple[int, int], Any] = {}     # input of (stage, mb)
+        self.grads: dict[tuple[int, int], Any] = {}    # output gradient of (stage, mb)
+        self.outbox: dict[tuple[int, int], Any] = {}   # tensor to send for (stage, mb)
+        self.like: dict[int, np.ndarray] = {}          # an activation this rank sent, by stage
+        self.meta: dict[int, np.ndarray] = {}          # activation template received, by stage
+        self.heads: dict[int, Any] = {}                # header receive in flight, by stage
+        self.posted: dict[int, Any] = {}               # receive in flight, by action index
+        self.recvs = [i for i, a in enumerate(actions) if a.kind.is_recv]
+        self.next_recv = 0                             # first entry of recvs not posted yet
+        self.losses: dict[int, float] = {}
+        self.stats = StepStats()
+        self.live = 0
+        self.failed_input: Any = None                  # input of the forward running now
+        for a in actions:
+            if a.kind is ActionKind.RECV_ACT and a.stage not in self.heads:
+                self.heads[a.stage] = self.wire.recv(np.zeros(HEADER_LEN, dtype=np.int64),
+                                                     _peer(a), rt._tag(_HEAD, a.stage - 1, 0))
+
+    # -- receives posted ahead ---------------------------------------------------------
+    def _template(self, a: Action, block: bool) -> np.ndarray | None:
+        """What the message of recv action ``a`` looks like, or None while unknown."""
+        if a.kind is ActionKind.RECV_GRAD:
+            return self.like.get(a.stage)
+        if a.stage not in self.meta:
+            head = self.heads[a.stage]
+            if not block and not head.done():
+                return None
+            self.meta[a.stage] = template(self.rt.notices.wait(head))
+        return self.meta[a.stage]
+
+    def _post(self, until: int, block: bool) -> None:
+        """Post receives in action order: through action index ``until`` (waiting for a
+        header if needed) or, with ``block=False``, while at most RECV_AHEAD are posted."""
+        while self.next_recv < len(self.recvs):
+            i = self.recvs[self.next_recv]
+            if i > until and (block or len(self.posted) >= RECV_AHEAD):
+                return
+            a = self.actions[i]
+            like = self._template(a, block and i <= until)
+            if like is None:
+                if block and i <= until:
+                    raise PipelineError(f"{a} comes before any send_act of stage {a.stage} on this rank")
+                return
+            family, src = (_ACT, a.stage - 1) if a.kind is ActionKind.RECV_ACT else (_GRAD, a.stage + 1)
+            self.posted[i] = self.wire.recv(like, _peer(a), self.rt._tag(family, src, a.microbatch))
+            self.next_recv += 1
+
+    # -- the actions ---------------------------------------------------------------------
+    def execute(self, inputs: Sequence[Any] | None, targets: Sequence[Any] | None) -> list[float]:
+        t0 = time.perf_counter()
+        named = bool(Recorder._open)
+        for i, a in enumerate(self.actions):
+            self._post(i, block=False)
+            try:
+                if named:
+                    with span(str(a), "pipeline", kind=a.kind.value, stage=a.stage,
+                              microbatch=a.microbatch, peer=a.peer):
+                        self._do(i, a, inputs, targets, t0)
+                else:
+                    self._do(i, a, inputs, targets, t0)
+            except Exception as exc:
+                if isinstance(exc, PipelineError) or not a.kind.is_compute:
+                    raise
+                raise StageFailed(
+                    f"{a} failed on pipeline rank {self.rt.comm.rank}{self._shapes(a, inputs)}: "
+                    f"{type(exc).__name__}: {exc}") from exc
+        self.stats.wall = time.perf_counter() - t0
+        self.stats.busy = self.stats.forward + self.stats.backward
+        return [self.losses[mb] for mb in sorted(self.losses)]
+
+    def _shapes(self, a: Action, inputs: Sequence[Any] | None) -> str:
+        """`` (input shape (..))`` of a forward that failed, for its error message."""
+        if a.kind is not ActionKind.FORWARD:
+            return ""
+        x = (inputs[a.microbatch] if a.stage == 0 and inputs is not None
+             else self.acts.get((a.stage, a.microbatch), self.failed_input))
+        shape = getattr(x, "shape", None)
+        return "" if shape is None else f" (its input has shape {tuple(int(d) for d in shape)})"
+
+    def _do(self, i: int, a: Action, inputs: Sequence[Any] | None, targets: Sequence[Any] | None,
+            t0: float) -> None:
+        s, mb, rt, stats = a.stage, a.microbatch, self.rt, self.stats
+        if a.kind is ActionKind.FORWARD:
+            ex = rt.executor(s)
+            x = inputs[mb] if s == 0 and inputs is not None else self.acts.pop((s, mb))
+            self.failed_input = x
+            start = time.perf_counter()
+            out = ex.forward(mb, x, targets[mb] if s == self.last and targets is not None else None)
+            end = time.perf_counter()
+            stats.forward += end - start
+            stats.spans.append((start - t0, end - t0, "F", s, mb))
+            self.live += 1
+            stats.peak_live = max(stats.peak_live, self.live)
+            if s == self.last:
+                self.losses[mb] = float(out)
+            elif s + 1 in rt.executors:
+                self.acts[(s + 1, mb)] = out
+            else:
+                self.outbox[(s, mb)] = out
+            self.wire.reap()
+        elif a.kind is ActionKind.BACKWARD:
+            ex = rt.executor(s)
+            g = None if s == self.last else self.grads.pop((s, mb))
+            start = time.perf_counter()
+            gin = ex.backward(mb, g)
+            end = time.perf_counter()
+            stats.backward += end - start
+            stats.spans.append((start - t0, end - t0, "B", s, mb))
+            self.live -= 1
+            if s > 0:
+                if s - 1 in rt.executors:
+                    self.grads[(s - 1, mb)] = gin
+                else:
+                    self.outbox[(s, mb)] = gin
+            self.wire.reap()
+        elif a.kind is ActionKind.SEND_ACT:
+            arr = to_numpy(self.outbox.pop((s, mb)))
+            if s not in self.like:
+                self.like[s] = arr
+            if mb == 0:
+                self.wire.send(header(arr), _peer(a), rt._tag(_HEAD, s, 0))
+            self.wire.send(arr, _peer(a), rt._tag(_ACT, s, mb))
+        elif a.kind is ActionKind.SEND_GRAD:
+            self.wire.send(to_numpy(self.outbox.pop((s, mb))), _peer(a), rt._tag(_GRAD, s, mb))
+        else:
+            self._post(i, block=True)
+            got = self.rt.notices.wait(self.posted.pop(i))
+            if a.kind is ActionKind.RECV_ACT:
+                self.acts[(s, mb)] = got
+            else:
+                self.grads[(s, mb)] = got
 
 
 def _peer(a: Action) -> int:
