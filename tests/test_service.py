@@ -53,9 +53,14 @@ class Server:
             argv += ["--token-file", str(self.work.parent / "token")]
         self.proc = subprocess.Popen(argv, env=mpi_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, start_new_session=True)
-        ready, _, _ = select.select([self.proc.stdout], [], [], 60)
-        line = self.proc.stdout.readline() if ready else ""  # type: ignore[union-attr]
-        assert "listening on" in line, f"plait serve did not start: {line!r}"
+        seen, line, deadline = [], "", time.monotonic() + 60
+        while "listening on" not in line and time.monotonic() < deadline:
+            ready, _, _ = select.select([self.proc.stdout], [], [], max(0.0, deadline - time.monotonic()))
+            line = self.proc.stdout.readline() if ready else ""  # type: ignore[union-attr]
+            seen.append(line)
+            if ready and not line:
+                break  # it exited
+        assert "listening on" in line, f"plait serve did not start: {''.join(seen)!r}"
         self.address = line.split("listening on ")[1].split()[0]
         self.channel = grpc.insecure_channel(self.address)
         self.stub = pb_grpc.TrainingStub(self.channel)
