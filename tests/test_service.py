@@ -102,7 +102,12 @@ class Server:
                               capture_output=True, timeout=120)
 
     def close(self) -> None:
+        """Cancel what still runs (a stopped service leaves its jobs running), then stop the service."""
         if self.proc is not None and self.proc.poll() is None:
+            unfinished = [pb.QUEUED, pb.LAUNCHING, pb.RUNNING]
+            for job in self.stub.ListJobs(pb.ListJobsRequest(states=unfinished), metadata=self.md,
+                                          timeout=30).jobs:
+                self.stub.Cancel(pb.CancelRequest(job_id=job.job_id), metadata=self.md, timeout=60)
             self.kill(signal.SIGTERM)
 
 
