@@ -14,7 +14,11 @@ of micro-batches ``M``, times a few ``train_step`` calls on a fixed batch:
 * throughput (samples/s) and its ratio to the naive model-parallel split
   (GPipe with ``M = 1``, the same batch);
 * peak live micro-batch activations on any rank, measured by the runtime,
-  next to the simulator's.
+  next to the simulator's;
+* per-stage construction: first of all, each rank builds its stages of a bigger
+  MLP described on torch's meta device (8 x Linear(2048), Adam) and reports its
+  peak RSS next to its own and the whole model's state (parameters, gradients,
+  Adam moments): ``--np 1, 2, 4`` show the per-rank share fall as 1/P.
 
 Results go to ``BASE.json`` and ``BASE.md`` (default ``benchmarks/results/pipeline``).
 Numbers are reported, never asserted.
@@ -37,6 +41,38 @@ def theory(schedule: str, p: int, m: int, v: int) -> float:
     return (p - 1) / ((v if schedule == "interleaved" else 1) * m + p - 1)
 
 
+def memory(world: Any, width: int, blocks: int) -> dict[str, Any]:
+    """Peak RSS per rank of a pipeline built per stage (model described on ``meta``), with Adam.
+
+    Measured first in the worker, so the process's high-water mark is this pipeline's:
+    ``base`` is the RSS after imports, ``peak`` after one training step, ``state`` the
+    parameter + gradient + Adam bytes of this rank's stages (whole model: x P).
+    """
+    import resource
+
+    import torch
+
+    from plait.parallel.pipeline import Pipeline
+
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with torch.device("meta"):
+        mods: list[torch.nn.Module] = []
+        for _ in range(blocks):
+            mods += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+        mods.append(torch.nn.Linear(width, 10))
+    pipe = Pipeline(torch.nn.Sequential(*mods), microbatches=4, schedule="1f1b", comm=world,
+                    balance="params", loss_fn=torch.nn.CrossEntropyLoss(),
+                    optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-4))
+    del mods
+    x, y = torch.randn(64, width), torch.randint(0, 10, (64,))
+    pipe.train_step(x, y)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    state = 4 * 4 * sum(p.numel() for p in pipe.parameters())  # fp32 param, grad, Adam m and v
+    whole = 4 * 4 * sum(width * width + width for _ in range(blocks)) + 4 * 4 * (width * 10 + 10)
+    pipe.close()
+    return {"rank": world.rank, "base": base, "peak": peak, "state": state, "whole_state": whole}
+
+
 def worker(args: Any) -> None:
     import torch
 
@@ -46,8 +82,9 @@ def worker(args: Any) -> None:
     torch.set_num_threads(1)
     world = plait.init("mpi")
     p = world.size
+    mem = world.allgather_object(memory(world, 512 if args.smoke else 2048, 2 if args.smoke else 8))
     width, layers, batch, steps = (512, 8, 512, 3) if args.quick else (1024, 8, 512, 5)
-    grid = [1, 4, 8] if args.quick else [1, 2, 4, 8, 16]
+    grid = [1, 4, 8, 16, 32] if args.quick else [1, 2, 4, 8, 16, 32]
     if args.smoke:
         width, layers, batch, steps, grid = 32, 4, 16, 1, [1, 4]
     rng = torch.Generator().manual_seed(0)
@@ -97,14 +134,20 @@ def worker(args: Any) -> None:
     for r in rows:
         r["speedup_vs_naive"] = r["samples_per_s"] / naive["samples_per_s"]
     if world.rank == 0:
-        write(rows, args, width, layers)
+        write(rows, args, width, layers, mem)
 
 
-
-
-def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int) -> None:
+def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int,
+          mem: list[dict[str, Any]]) -> None:
     """Rank 0: the JSON and markdown results."""
     p, batch = rows[0]["stages"], rows[0]["batch"]
+    mib = 2.0 ** 20
+    mem_table = md_table(
+        ["rank", "RSS after imports MiB", "peak RSS MiB", "peak - imports MiB", "own state MiB",
+         "whole model state MiB"],
+        [[m["rank"], f"{m['base'] / mib:.0f}", f"{m['peak'] / mib:.0f}",
+          f"{(m['peak'] - m['base']) / mib:.0f}", f"{m['state'] / mib:.0f}",
+          f"{m['whole_state'] / mib:.0f}"] for m in mem])
     table = md_table(
         ["schedule", "M", "step ms", "samples/s", "vs naive M=1", "bubble measured", "bubble theory",
          "bubble sim", "peak live", "peak live sim"],
@@ -117,10 +160,14 @@ def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int) -> Non
         f"batch {batch}{' (quick)' if args.quick else ''}; {load_note()}. Bubble measured = "
         f"1 - sum(busy) / (P x makespan) from the runtime's per-stage timers; theory "
         f"(P-1)/(vM+P-1); sim = the pure simulator (forward 1, backward 2). Peak live = most "
-        f"micro-batch activations alive on one rank.\n\n{table}")
+        f"micro-batch activations alive on one rank.\n\n{table}\n\n"
+        f"## Per-stage construction: memory per rank\n\nThe model described once on torch's meta "
+        f"device, each rank materialising only its stages (Adam: parameter, gradient and two "
+        f"moments, 16 bytes per parameter), one training step; peak RSS from getrusage.\n\n"
+        f"{mem_table}")
     write_results(args.out, "pipeline", rows, markdown,
                   meta=meta(quick=args.quick, width=width, blocks=layers, model="torch MLP",
-                            versions=versions()))
+                            versions=versions(), memory=mem))
 
 
 if __name__ == "__main__":
