@@ -248,4 +248,23 @@ def collective_function(
     return call
 
 
+def _keep_plait_out_of_autograph() -> None:
+    """Add plait to autograph's "do not convert" modules (as TensorFlow, Keras and numpy
+    are): plait's code is graph-safe Python (``tf.cond`` where it branches on
+    tensors), and autograph converting it from a user's ``tf.function`` costs time at
+    tracing and, worse, in every step: a host function built by converted code runs
+    autograph's ``converted_call`` each time it is called."""
+    try:
+        from tensorflow.python.autograph.core import config as autograph_config
+    except ImportError:  # pragma: no cover - another TensorFlow layout
+        return
+    rules = getattr(autograph_config, "CONVERSION_RULES", None)
+    rule_type = getattr(autograph_config, "DoNotConvert", None)
+    if rules is None or rule_type is None:  # pragma: no cover
+        return
+    if not any(getattr(r, "_prefix", None) == "plait" for r in rules):
+        autograph_config.CONVERSION_RULES = (rule_type("plait"), *rules)
+
+
+_keep_plait_out_of_autograph()
 OPS = TFOps()

@@ -8,16 +8,18 @@ N, and eagerly one agreement round instead of N.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
+import numpy as np
 import tensorflow as tf
 
 from plait.protocols import Communicator
 
 from .tensorflow import OPS, unwrap
 
-__all__ = ["fused_allreduce"]
+__all__ = ["allgather_backward", "alltoall", "differentiable", "differentiable_group",
+           "fused_allreduce", "is_sparse", "sparse_allreduce", "to_dense"]
 
 
 def fused_allreduce(comm: Communicator, tensors: Sequence[Any], op: str,
@@ -57,3 +59,138 @@ def fused_allreduce(comm: Communicator, tensors: Sequence[Any], op: str,
             shape = p.shape if p.shape.is_fully_defined() else tf.shape(p)
             out[i] = tf.reshape(piece, shape)
     return out
+
+
+def differentiable(forward: Callable[[Any], Any], backward: Callable[..., Any], tensor: Any) -> Any:
+    """``forward(tensor)`` with ``backward`` as its registered gradient (Horovod registers
+    one for each of its TensorFlow collectives), eagerly and inside graphs.
+
+    Args:
+        forward: the collective, of one tensor; may return a tensor or a tuple of them.
+        backward: the gradient: takes the upstream gradient of each output, returns
+            the gradient of ``tensor``.
+        tensor: a TensorFlow tensor or (Keras) variable.
+
+    Returns:
+        What ``forward`` returns (integer inputs: no gradient, ``forward`` alone).
+    """
+    value = tf.convert_to_tensor(unwrap(tensor))
+    if not (value.dtype.is_floating or value.dtype.is_complex):
+        return forward(value)
+
+    @tf.custom_gradient
+    def apply(x: tf.Tensor) -> Any:
+        return forward(x), backward
+
+    return apply(value)
+
+
+def differentiable_group(forward: Callable[[list[Any]], list[Any]],
+                         backward: Callable[[list[Any]], list[Any]],
+                         tensors: Sequence[Any]) -> list[Any]:
+    """:func:`differentiable` for a group: ``forward`` maps a list of tensors to a list
+    of outputs, ``backward`` the outputs' upstream gradients (zeros where an output is
+    not used) to the inputs' gradients (integer inputs get none).
+
+    Args:
+        forward: the grouped collective.
+        backward: its gradient.
+        tensors: TensorFlow tensors or (Keras) variables.
+
+    Returns:
+        What ``forward`` returns.
+    """
+    values = [tf.convert_to_tensor(unwrap(t)) for t in tensors]
+    if not any(v.dtype.is_floating or v.dtype.is_complex for v in values):
+        return forward(values)
+
+    @tf.custom_gradient
+    def apply(*xs: tf.Tensor) -> Any:
+        outs = forward(list(xs))
+
+        def grad(*dys: Any) -> list[Any]:
+            ups = [tf.zeros_like(o) if d is None else d for d, o in zip(dys, outs)]
+            grads = backward(ups)
+            return [g if (x.dtype.is_floating or x.dtype.is_complex) else None
+                    for g, x in zip(grads, xs)]
+
+        return outs, grad
+
+    return list(apply(*values))
+
+
+def allgather_backward(comm: Communicator, tensor: Any, name: str | None = None
+                       ) -> Callable[[Any], Any]:
+    """Horovod's allgather gradient: average the upstream gradient over ranks and keep
+    this rank's rows (every rank's row count is allgathered).
+
+    Args:
+        comm: the communicator of the allgather.
+        tensor: its input.
+        name: its name (the gradient's collectives get ``{name}/grad...``).
+
+    Returns:
+        The gradient function.
+    """
+    def backward(dy: Any) -> Any:
+        label = None if name is None else f"{name}/grad"
+        rows = tf.reshape(tf.shape(unwrap(tensor), out_type=tf.int32)[0], [1])
+        g = comm.allreduce(dy, "average", label)
+        sizes = tf.reshape(comm.allgather(rows, None if label is None else f"{label}.rows"),
+                           [comm.size])
+        return tf.split(g, sizes, num=comm.size, axis=0)[comm.rank]
+
+    return backward
+
+
+def to_dense(tensor: Any) -> Any:
+    """``tf.IndexedSlices`` as a dense tensor; anything else unchanged."""
+    return tf.convert_to_tensor(tensor) if isinstance(tensor, tf.IndexedSlices) else tensor
+
+
+def is_sparse(tensor: Any) -> bool:
+    """Whether ``tensor`` is a ``tf.IndexedSlices`` (a sparse gradient)."""
+    return isinstance(tensor, tf.IndexedSlices)
+
+
+def sparse_allreduce(comm: Communicator, tensor: tf.IndexedSlices, op: str,
+                     name: str | None = None) -> tf.IndexedSlices:
+    """Horovod's allreduce of ``tf.IndexedSlices``: allgather the values and the indices
+    (the sum of the slices; divided by the ranks for an average).
+
+    Raises:
+        ConfigError: for an op other than "sum" or "average" (Horovod allows only those).
+    """
+    from plait.errors import invalid
+
+    if op not in ("sum", "average"):
+        raise invalid("op", op, "'sum' or 'average' for tf.IndexedSlices (sparse gradients)")
+    values = comm.allgather(tensor.values, None if name is None else f"{name}.values")
+    indices = comm.allgather(tensor.indices, None if name is None else f"{name}.indices")
+    if op == "average":
+        values = values / tf.cast(comm.size, values.dtype)
+    return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
+
+
+def alltoall(comm: Communicator, tensor: Any, splits: Any, name: str | None = None
+             ) -> tuple[Any, Any]:
+    """Alltoall of a TensorFlow tensor: ``(received tensor, received splits as int32)``.
+
+    Args:
+        comm: the communicator.
+        tensor: the tensor; slice ``i`` of its first dimension goes to rank ``i``.
+        splits: rows per rank (a list, an int32/int64 tensor, also symbolic), or None
+            (even parts).
+        name: the collective's name.
+
+    Returns:
+        The received tensor and splits.
+    """
+    if splits is not None and not isinstance(splits, (list, tuple)) and tf.executing_eagerly():
+        splits = [int(v) for v in np.asarray(splits).reshape(-1)]
+    elif splits is not None and not isinstance(splits, (list, tuple)):
+        splits = tf.cast(splits, tf.int32)
+    out, received = comm.alltoall(unwrap(tensor), splits, name)  # type: ignore[attr-defined]
+    if not isinstance(received, tf.Tensor):
+        received = tf.constant(np.asarray(received, dtype=np.int32))
+    return out, received

@@ -60,9 +60,8 @@ cuda_built, rocm_built, ddl_built, is_homogeneous = (_F.cuda_built, _F.rocm_buil
                                                      _F.is_homogeneous)
 mpi_enabled, gloo_enabled = _F.mpi_enabled, _F.gloo_enabled
 join, start_timeline, stop_timeline = _F.join, _F.start_timeline, _F.stop_timeline
-allgather, broadcast = _F.allgather, _F.broadcast
 grouped_allgather, grouped_reducescatter = _F.grouped_allgather, _F.grouped_reducescatter
-alltoall, reducescatter, barrier = _F.alltoall, _F.reducescatter, _F.barrier
+barrier = _F.barrier
 broadcast_object, allgather_object = _F.broadcast_object, _F.allgather_object
 
 
@@ -114,9 +113,107 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
     Raises:
         ConfigError: when an operation of the same ``name`` is still in flight.
     """
+    from plait.adapters import tf_collectives as tc
+
     claim_name(name)
-    return reduce_tensor(_F.comm(process_set), tensor, resolve_op(average, op), name, compression,
-                         prescale_factor, postscale_factor)
+    comm, how = _F.comm(process_set), resolve_op(average, op)
+    if tc.is_sparse(tensor):
+        return tc.sparse_allreduce(comm, tensor, how, name)
+
+    def run(t: Any, label: str | None) -> Any:
+        return reduce_tensor(comm, t, how, label, compression, prescale_factor, postscale_factor)
+
+    return tc.differentiable(lambda t: run(t, name),
+                             lambda dy: run(dy, None if name is None else f"{name}/grad"), tensor)
+
+
+def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: Any = None) -> Any:
+    """Concatenate every rank's ``tensor`` along the first dimension (sizes may differ),
+    with Horovod's gradient (the averaged upstream gradient's rows of this rank).
+
+    Raises:
+        ConfigError: when an operation of the same ``name`` is still in flight.
+    """
+    from plait.adapters import tf_collectives as tc
+
+    claim_name(name)
+    comm = _F.comm(process_set)
+    return tc.differentiable(lambda t: comm.allgather(t, name),
+                             tc.allgather_backward(comm, tensor, name), tensor)
+
+
+def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_scope: bool = False,
+              process_set: Any = None) -> Any:
+    """``root_rank``'s ``tensor`` on every rank, with Horovod's gradient (the averaged
+    upstream gradient on the root, zeros elsewhere).
+
+    Raises:
+        ConfigError: for a root outside the process set, or a ``name`` still in flight.
+    """
+    from plait.adapters import tf_collectives as tc
+
+    claim_name(name)
+    comm, root = _F.target(process_set, root_rank)
+
+    def backward(dy: Any) -> Any:
+        g = comm.allreduce(dy, Average, None if name is None else f"{name}/grad")
+        return g if comm.rank == root else g * 0
+
+    return tc.differentiable(lambda t: keep_shape(t, comm.broadcast(t, root, name)), backward,
+                             tensor)
+
+
+def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
+             ignore_name_scope: bool = False, process_set: Any = None) -> Any:
+    """Send slice ``i`` of the first dimension to rank ``i`` (Horovod's ``alltoall``): the
+    received tensor, and with ``splits`` given also the received splits (int32); without
+    ``splits`` the first dimension is split evenly. Gradient: the alltoall of the
+    upstream gradient back along the received splits.
+
+    Raises:
+        ConfigError: for splits that do not fit, or a ``name`` still in flight.
+    """
+    from plait.adapters import tf_collectives as tc
+
+    claim_name(name)
+    comm = _F.comm(process_set)
+    kept: list[Any] = []
+
+    def forward(t: Any) -> Any:
+        out, received = tc.alltoall(comm, t, splits, name)
+        kept[:] = [received]
+        return out
+
+    def backward(dy: Any) -> Any:  # back along the received splits
+        return tc.alltoall(comm, dy, kept[0], None if name is None else f"{name}/grad")[0]
+
+    out = tc.differentiable(forward, backward, tensor)
+    return out if splits is None else (out, kept[0])
+
+
+def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compression.none,
+                  op: str = Average, name: str | None = None, process_set: Any = None,
+                  ignore_name_scope: bool = False, prescale_factor: float = 1.0,
+                  postscale_factor: float = 1.0) -> Any:
+    """Reduce over ranks and keep this rank's rows (the first ``rows % size`` ranks get one
+    extra), with Horovod's gradient (the allgather of the upstream gradient, times the
+    ranks for a sum, times the scale factors). ``compression`` has no effect.
+
+    Raises:
+        ConfigError: for a bad op, or a ``name`` still in flight.
+    """
+    from plait.adapters import tf_collectives as tc
+
+    def forward(t: Any) -> Any:
+        return _F.reducescatter(t, name, op, process_set, prescale_factor, postscale_factor)
+
+    def backward(dy: Any) -> Any:
+        factor = (_F.comm(process_set).size if op == Sum else 1) * prescale_factor * postscale_factor
+        g = dy if factor == 1 else dy * factor
+        return _F.comm(process_set).allgather(g, None if name is None else f"{name}/grad")
+
+    return tc.differentiable(forward, backward, tensor)
 
 
 def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, device_dense: str = "",
@@ -133,6 +230,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
     Raises:
         ConfigError: when an operation of the same ``name`` is still in flight.
     """
+    from plait.adapters import tf_collectives as tc
     from plait.adapters.tf_collectives import fused_allreduce
 
     from ._face_compression import to_plait
@@ -144,8 +242,14 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
     if compressor is not None and type(compressor).__name__ != "NoneCompressor":
         return [reduce_tensor(comm, t, how, None if name is None else f"{name}.{i}", compression,
                               prescale_factor, postscale_factor) for i, t in enumerate(tensors)]
-    outs = fused_allreduce(comm, [scale(t, prescale_factor) for t in tensors], how, name)
-    return [keep_shape(t, scale(o, postscale_factor)) for t, o in zip(tensors, outs)]
+
+    def run(ts: list[Any], label: str | None) -> list[Any]:
+        outs = fused_allreduce(comm, [scale(t, prescale_factor) for t in ts], how, label)
+        return [keep_shape(t, scale(o, postscale_factor)) for t, o in zip(ts, outs)]
+
+    return tc.differentiable_group(lambda ts: run(ts, name),
+                                   lambda dys: run(dys, None if name is None else f"{name}/grad"),
+                                   tensors)
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: Any = None) -> None:

@@ -387,3 +387,101 @@ def test_graph_mismatch_raises_on_every_rank_within_seconds(comm, monkeypatch):
     assert "wait for different collectives" in str(caught.value)
     out = tf.function(lambda x: comm.allreduce(x, op="sum"))(tf.ones([3]))
     np.testing.assert_array_equal(out.numpy(), np.full(3, comm.size, np.float32))
+
+
+# -- gradients of the TensorFlow face's collectives (Horovod's definitions) -------------------
+def _upstream(shape, rank):
+    """A different upstream gradient on every rank and element."""
+    return (rank + 1) * np.arange(1, int(np.prod(shape)) + 1, dtype=np.float32).reshape(shape)
+
+
+GRAD_KINDS = ["allreduce-sum", "allreduce-average", "grouped_allreduce", "allgather",
+              "broadcast", "alltoall", "reducescatter-sum", "reducescatter-average"]
+
+
+def _collective(htf, kind, x, n):
+    if kind.startswith("allreduce"):
+        return htf.allreduce(x, op=htf.Sum if kind.endswith("sum") else htf.Average)
+    if kind == "grouped_allreduce":
+        return htf.grouped_allreduce([x], op=htf.Sum)[0]
+    if kind == "allgather":
+        return htf.allgather(x)
+    if kind == "broadcast":
+        return htf.broadcast(x, root_rank=0)
+    if kind == "alltoall":
+        return htf.alltoall(x, splits=[2] * n)[0]
+    return htf.reducescatter(x, op=htf.Sum if kind.endswith("sum") else htf.Average)
+
+
+def _out_shape(kind, rows, n):
+    """The collective's output shape (a graph knows no first dimension of an allgather)."""
+    return (rows * n if kind == "allgather" else rows // n if kind.startswith("reducescatter")
+            else rows, 2)
+
+
+def _expected_gradient(kind, rank, n, rows):
+    ups = [_upstream(_out_shape(kind, rows, n), q) for q in range(n)]
+    if kind in ("allreduce-sum", "grouped_allreduce"):
+        return sum(ups)
+    if kind == "allreduce-average":
+        return sum(ups) / n
+    if kind == "allgather":  # the averaged upstream gradient's rows of this rank
+        return (sum(ups) / n)[rank * rows : (rank + 1) * rows]
+    if kind == "broadcast":
+        return sum(ups) / n * (rank == 0)
+    if kind == "alltoall":  # block j of this rank's input went to rank j, at position `rank`
+        return np.concatenate([ups[j][rank * 2 : rank * 2 + 2] for j in range(n)])
+    return np.concatenate(ups) * (n if kind.endswith("sum") else 1)  # Horovod's reducescatter
+
+
+def _face(comm):
+    """plait.tensorflow on the world of ``comm``'s backend (the MPI backend here: the
+    face's world is one per process, and this job's other communicators are fixtures)."""
+    if comm.backend != "mpi":
+        pytest.skip("the face's world runs on the MPI backend in this job")
+    import plait.tensorflow as htf
+
+    htf.init(backend="mpi")
+    return htf
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_face_collectives_have_horovods_gradients(comm, graph):
+    htf = _face(comm)
+    n, rows = comm.size, 2 * comm.size
+    x = tf.Variable(tf.fill([rows, 2], float(comm.rank + 1)))
+
+    def gradients():
+        out = []
+        for kind in GRAD_KINDS:
+            with tf.GradientTape() as tape:
+                y = _collective(htf, kind, x, n)
+                loss = tf.reduce_sum(y * _upstream(_out_shape(kind, rows, n), comm.rank))
+            out.append(tape.gradient(loss, x))
+        return out
+
+    got = tf.function(gradients)() if graph else gradients()
+    for kind, g in zip(GRAD_KINDS, got):
+        np.testing.assert_allclose(g.numpy(), _expected_gradient(kind, comm.rank, n, rows),
+                                   rtol=1e-6, err_msg=kind)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_face_allreduce_of_indexed_slices(comm, graph):
+    """Sparse gradients are allgathered (values and indices), as Horovod reduces them."""
+    htf = _face(comm)
+    r, n = comm.rank, comm.size
+
+    def reduce(op):
+        s = tf.IndexedSlices(tf.fill([2, 3], float(r + 1)), tf.constant([r, r + 1], tf.int64),
+                             dense_shape=tf.constant([n + 1, 3], tf.int64))
+        return tf.convert_to_tensor(htf.allreduce(s, op=op))
+
+    run = tf.function(reduce) if graph else reduce
+    dense = np.zeros((n + 1, 3), np.float32)
+    for q in range(n):
+        dense[q : q + 2] += q + 1
+    np.testing.assert_allclose(run(htf.Sum).numpy(), dense)
+    np.testing.assert_allclose(run(htf.Average).numpy(), dense / n)
+    with pytest.raises(Exception if graph else ValueError, match="IndexedSlices"):
+        run(htf.Max)  # (autograph turns the ConfigError into its StagingError)
