@@ -74,8 +74,10 @@ def _flat_bytes(a: np.ndarray) -> np.ndarray:
 #: which user point-to-point messages are unlikely to use).
 _ASK_TAG = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
 _ANSWER_TAG = _ASK_TAG - 1
-#: How long a timed-out rank listens for the others' answers.
+#: How long a timed-out rank listens for the others' answers at most (and at least
+#: :data:`_ASK_MIN_S`; a tenth of the timeout in between: the question adds at most 10 %).
 _ASK_GRACE_S = 2.0
+_ASK_MIN_S = 0.5
 
 
 class _Request:
@@ -254,7 +256,7 @@ class MPICommunicator(CommunicatorBase):
         heard: dict[int, int] = {}
         status = MPI.Status()
         reply = np.empty(2, dtype=np.int64)
-        deadline = time.monotonic() + _ASK_GRACE_S
+        deadline = time.monotonic() + min(_ASK_GRACE_S, max(_ASK_MIN_S, 0.1 * self.timeout))
         while len(heard) < self.size - 1 and time.monotonic() < deadline:
             heard.update(self._answer(seq))
             while self.comm.Iprobe(source=MPI.ANY_SOURCE, tag=_ANSWER_TAG, status=status):
@@ -281,13 +283,21 @@ class MPICommunicator(CommunicatorBase):
         parts = [f"{_ranks(sorted(here))} of this group waited in it"]
         if missing:
             parts.append(f"{_ranks(missing)}{self._world_ranks(missing)} did not arrive "
-                         "(dead, stuck, or busy outside plait)")
+                         f"({self._on_hosts(missing)}dead, stuck, unreachable, or busy outside plait)")
         for r, s in sorted(heard.items()):
             if s != seq:
                 where = "a recv" if s < 0 else f"collective #{s}"
                 parts.append(f"rank {r}{self._world_ranks([r])} is waiting in {where} "
                              "(calling something else)")
         return f"{head}; " + "; ".join(parts)
+
+    def _on_hosts(self, ranks: list[int]) -> str:
+        """``host NAME; `` / ``hosts [...]; `` (each once) of ``ranks`` of this group."""
+        names = getattr(self, "host_names", None)
+        if not names:
+            return ""
+        hosts = list(dict.fromkeys(names[r] for r in ranks))
+        return f"host {hosts[0]}; " if len(hosts) == 1 else f"hosts {hosts}; "
 
     def _world_ranks(self, ranks: list[int]) -> str:
         """`` (world ranks [...])`` when this group is not the whole world."""
