@@ -180,6 +180,7 @@ class GradientReducer:
                             and os.environ.get("PLAIT_BUCKET_CHECK", "once") != "always")
         self._fast: Communicator | None = None
         self._verified = False
+        self._generation = getattr(comm, "generation", 0)
 
     def _plan(self, mb: float) -> None:
         self.bucket_mb = mb
@@ -242,6 +243,7 @@ class GradientReducer:
             ``(specs, reduced flat tensor)`` of every bucket (a bucket of one gradient
             with a compressor: the tensor in its own shape).
         """
+        self._drop_stale()
         for bucket in self.buckets[self._next:]:
             for spec in bucket.specs:
                 if spec.name not in bucket.grads:
@@ -342,4 +344,20 @@ class GradientReducer:
     @property
     def pending(self) -> bool:
         """True between the first ready gradient and :meth:`finish`."""
+        self._drop_stale()
         return self._next > 0 or any(b.grads for b in self.buckets)
+
+    def _drop_stale(self) -> None:
+        """Forget the buckets of a step that an elastic reset interrupted (Horovod's
+        elastic mode resets the library when a worker dies mid-step): their handles
+        went with the old library state, so the step starts over from the
+        gradients the caller still holds (``missing``), on the new membership."""
+        generation = getattr(self.comm, "generation", 0)
+        if generation == self._generation:
+            return
+        self._generation = generation
+        for bucket in self.buckets:
+            bucket.grads.clear()
+            bucket.handle = bucket.compressed = None
+        self._next = 0
+        self._fast, self._verified = None, False  # groups split before a reset are gone too
