@@ -73,6 +73,68 @@ def memory(world: Any, width: int, blocks: int) -> dict[str, Any]:
     return {"rank": world.rank, "base": base, "peak": peak, "state": state, "whole_state": whole}
 
 
+class _Sleep:
+    """A stage whose forward and backward sleep (no CPU): the runtime's own cost shows alone."""
+
+    def __init__(self, f: float, shape: tuple[int, int], first: bool, last: bool) -> None:
+        self.f, self.shape, self.first, self.last = f, shape, first, last
+
+    def forward(self, mb: int, x: Any, target: Any = None) -> Any:
+        import numpy as np
+
+        time.sleep(self.f)
+        return 0.0 if self.last else np.zeros(self.shape, np.float32)
+
+    def backward(self, mb: int, grad: Any) -> Any:
+        import numpy as np
+
+        time.sleep(2 * self.f)
+        return None if self.first else np.zeros(self.shape, np.float32)
+
+    def infer(self, x: Any) -> Any:
+        return x
+
+
+def sleeping(world: Any, grid: list[int], steps: int, total: float) -> list[dict[str, Any]]:
+    """Bubble of the runtime driving stages that sleep: forward + backward of the whole batch
+    take ``total`` seconds on every rank, so the ideal step is ``total * (vM + P - 1) / (vM)``;
+    what the step takes beyond it is the runtime's and the messages' cost (and this machine's
+    wake-up latency), independent of how much CPU the compute would get."""
+    import numpy as np
+
+    from plait.parallel.pipeline import Runtime, get_schedule
+
+    p, r = world.size, world.rank
+    comm = world.split(0, r)
+    rows = []
+    for schedule in ("gpipe", "1f1b", "interleaved"):
+        v = 2 if schedule == "interleaved" else 1
+        for m in grid:
+            if m < 2 or (v > 1 and m % p):
+                continue
+            vs, f = p * v, total / 3 / m / v
+            shape = (max(1, 512 // m), 512)
+            rt = Runtime(comm, {s: _Sleep(f, shape, s == 0, s == vs - 1) for s in range(r, vs, p)},
+                         vs, m)
+            actions = get_schedule(schedule, p, m, v)[r]
+            inputs = [np.zeros(shape, np.float32)] * m
+            walls = []
+            for it in range(steps + 1):
+                comm.barrier()
+                start = time.perf_counter()
+                rt.run(actions, inputs, [0] * m)
+                wall = max(comm.allgather_object(time.perf_counter() - start))
+                if it:
+                    walls.append(wall)
+            rt.close()
+            step = statistics.median(walls)
+            rows.append({"schedule": schedule, "microbatches": m, "total_s": total,
+                         "ideal_s": total * (v * m + p - 1) / (v * m), "step_s": step,
+                         "bubble_measured": 1 - total / step,
+                         "bubble_theory": theory(schedule, p, m, v)})
+    return rows
+
+
 def worker(args: Any) -> None:
     import torch
 
@@ -130,15 +192,16 @@ def worker(args: Any) -> None:
                 "peak_live_measured": max(peaks),
                 "peak_live_simulated": max(sim.peak_activations),
             })
+    sleep_rows = sleeping(world, grid, steps, 0.006 if args.smoke else 0.06)
     naive = next(r for r in rows if r["schedule"] == "gpipe" and r["microbatches"] == 1)
     for r in rows:
         r["speedup_vs_naive"] = r["samples_per_s"] / naive["samples_per_s"]
     if world.rank == 0:
-        write(rows, args, width, layers, mem)
+        write(rows, args, width, layers, mem, sleep_rows)
 
 
 def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int,
-          mem: list[dict[str, Any]]) -> None:
+          mem: list[dict[str, Any]], sleep_rows: list[dict[str, Any]]) -> None:
     """Rank 0: the JSON and markdown results."""
     p, batch = rows[0]["stages"], rows[0]["batch"]
     mib = 2.0 ** 20
@@ -155,6 +218,11 @@ def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int,
           f"{r['samples_per_s']:.0f}", f"{r['speedup_vs_naive']:.2f}x", f"{r['bubble_measured']:.3f}",
           f"{r['bubble_theory']:.3f}", f"{r['bubble_simulated']:.3f}", r["peak_live_measured"],
           r["peak_live_simulated"]] for r in rows])
+    sleep_table = md_table(
+        ["schedule", "M", "ideal ms", "step ms", "bubble measured", "bubble theory", "measured / theory"],
+        [[r["schedule"], r["microbatches"], f"{1e3 * r['ideal_s']:.1f}", f"{1e3 * r['step_s']:.1f}",
+          f"{r['bubble_measured']:.3f}", f"{r['bubble_theory']:.3f}",
+          f"{r['bubble_measured'] / r['bubble_theory']:.2f}"] for r in sleep_rows])
     markdown = (
         f"# Pipeline parallelism\n\ntorch MLP ({layers} x Linear({width}) + Tanh), P={p} ranks, "
         f"batch {batch}{' (quick)' if args.quick else ''}; {load_note()}. Bubble measured = "
@@ -164,10 +232,14 @@ def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int,
         f"## Per-stage construction: memory per rank\n\nThe model described once on torch's meta "
         f"device, each rank materialising only its stages (Adam: parameter, gradient and two "
         f"moments, 16 bytes per parameter), one training step; peak RSS from getrusage.\n\n"
-        f"{mem_table}")
+        f"{mem_table}\n\n## The runtime alone: stages that sleep\n\nThe same schedules driving stages "
+        f"whose forward and backward sleep ({1e3 * sleep_rows[0]['total_s']:.0f} ms of forward + "
+        f"backward per rank and step, split over the micro-batches; activations of the same "
+        f"shapes travel): the bubble beyond theory is the runtime's and the messages' cost "
+        f"plus this machine's wake-up latency, whatever CPU the compute would get.\n\n{sleep_table}")
     write_results(args.out, "pipeline", rows, markdown,
                   meta=meta(quick=args.quick, width=width, blocks=layers, model="torch MLP",
-                            versions=versions(), memory=mem))
+                            versions=versions(), memory=mem), sleeping=sleep_rows)
 
 
 if __name__ == "__main__":

@@ -166,6 +166,8 @@ class Runtime:
         Raises:
             PipelineError: An action names a stage this rank does not hold, or an
                 earlier step failed half-way (its messages may still be in flight).
+            StageFailed: A forward or backward raised, on this rank (the original
+                error is its cause; the other pipeline ranks are told) or on another.
             CollectiveTimeoutError: A message did not arrive in time.
             MismatchError: A message had another size than expected.
         """
@@ -178,13 +180,13 @@ class Runtime:
             step = _Step(self, actions)
             losses = step.execute(inputs, targets)
             self.wire.flush(self.notices.wait)
+            self.notices.finish()
         except BaseException as exc:
             self.wire.pending.clear()
             self.broken = f"{type(exc).__name__}: {exc}"[:300]
             if not (isinstance(exc, StageFailed) and exc.remote):
                 self.notices.tell(f"{type(exc).__name__}: {exc}")
             raise
-        self.notices.finish()
         return losses, step.stats
 
     def forward_only(self, x: Any, ranks: int) -> Any:
