@@ -61,6 +61,12 @@ def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any], comm: Commu
         g = dense_gradient(g, value)
         specs.append(GradSpec(_name(v, i), tuple(value.shape), OPS.dtype_name(value)))
         dense.append(g if f == 1.0 else g / f)
+    if not tf.executing_eagerly() and comm.backend == "mpi" and compression is None \
+            and memory is None:  # host ops: start every bucket, then wait
+        from .tf_overlap import overlapped_reduce
+
+        out_list = overlapped_reduce(comm, specs, dense, op, bucket_mb)
+        return out_list if f == 1.0 else [g * f for g in out_list]
     reducer = GradientReducer(comm, specs, op=op, bucket_mb=bucket_mb, compression=compression,
                               memory=memory, prefix="tfgrad")
     for spec, g in zip(specs, dense):
