@@ -11,6 +11,8 @@ from typing import Any
 
 from plait.adapters import torch_optim
 from plait.adapters.torch import collective_function
+from plait.adapters.torch_sparse import sparse_allreduce_async
+from plait.adapters.torch_syncbn import SyncBatchNorm
 
 from ._face import (
     Adasum,
@@ -48,6 +50,8 @@ __all__ = [
     "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "remove_process_set",
     "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline", "synchronize",
 ]
+
+__all__ += ["SyncBatchNorm", "sparse_allreduce_async"]
 
 _F = Face("torch")
 init, shutdown, is_initialized = _F.init, _F.shutdown, _F.is_initialized
