@@ -19,10 +19,10 @@ Launches (each one job under ``--timeout``/``mpirun --timeout`` and a harness ki
   rank then reports its host and the world communicator's coordinates;
 * native ``torch.distributed`` (gloo) and ``tf.distribute.MultiWorkerMirroredStrategy``
   initialised from :func:`plait.launch.context.export_framework_env`;
-* a rank killed with SIGKILL mid-job, and a link unplugged during torch data-parallel
-  training through ``plait.torch.DistributedOptimizer`` (fused asynchronous buckets) under
-  ``plait run`` without ``--timeout``, on each backend: the job must end by itself within
-  ``PLAIT_TIMEOUT`` + 30 s, with the survivor's ``CollectiveTimeoutError``.
+* a rank killed with SIGKILL mid-job.
+
+Lost links and stopped ranks during training (every workload and launcher) are in
+``tests/test_link_down.py``.
 """
 
 from __future__ import annotations
@@ -45,12 +45,6 @@ pytestmark = pytest.mark.timeout(600)
 
 JOB_S = 300  # plait run / mpirun --timeout of a normal job (generous: 2 shared cores)
 KILLED_RANK_S = 30  # a killed rank ends the job within this (its PLAIT_TIMEOUT is 60)
-#: PLAIT_TIMEOUT of the dead-link training jobs, which run without --timeout
-TRAIN_TIMEOUT_S = 3
-#: Their Open MPI keepalive starts after a minute: plait run's KEEPALIVE_MCA notices the lost
-#: host in 10 to 15 s and would end the job itself (with Open MPI's message) when the survivor
-#: is slow to time out on 2 busy cores; these tests check the path after the survivor's abort
-SLOW_KEEPALIVE = ("--mca", "oob_tcp_keepalive_time", "60")
 HARD_S = 360  # harness kill of a normal job (kills its whole process group)
 VENV_BIN = str(Path(sys.executable).parent)
 MULTIHOST_JOB = str(ROOT / "tests" / "parallel" / "job_multihost.py")
@@ -231,31 +225,6 @@ while True:
 """
 
 
-# Horovod-style torch training (fused asynchronous buckets); every rank records its pid once
-# training is under way, then trains until the job ends.
-DP_TRAINING = """\
-import os, pathlib
-import torch
-import plait.torch as hvd
-hvd.init()
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10))
-opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.01),
-                               named_parameters=model.named_parameters(), bucket_mb=0.05)
-hvd.broadcast_parameters(model.state_dict(), root_rank=0)
-x, y = torch.randn(32, 64), torch.randint(0, 10, (32,))
-step = 0
-while True:
-    opt.zero_grad()
-    torch.nn.functional.cross_entropy(model(x), y).backward()
-    opt.step()
-    step += 1
-    if step == 3:
-        pathlib.Path(os.environ["PLAIT_TEST_REPORT_DIR"], f"pid-{hvd.rank()}").write_text(
-            str(os.getpid()))
-"""
-
-
 def fail_mid_job(hosts: EmulatedHosts, tmp_path: Path, job_timeout: int | None, action: str,
                  extra_env: dict[str, str], program: str = ALLREDUCE_LOOP, backend: str = "mpi",
                  wait_s: float | None = None, options: Sequence[str] = ()
@@ -321,32 +290,6 @@ def test_killed_rank_ends_the_job_naming_it(two_hosts: EmulatedHosts, tmp_path: 
     # seconds, not the collective timeout: Open MPI sees the death and ends the job
     assert elapsed < KILLED_RANK_S, (elapsed, stderr)
     assert "rank 1" in stderr and two_hosts.hosts[1] in stderr and "signal 9" in stderr, stderr
-
-
-@pytest.fixture
-def cut_hosts() -> Iterator[EmulatedHosts]:
-    """Two fresh hosts for each job whose link goes down (half a second to set up): on
-    hosts reused after a downed link, the next link-down job once hung without a timeout."""
-    with EmulatedHosts(2, slots=1) as hosts:
-        yield hosts
-
-
-@pytest.mark.parametrize("backend", ["mpi", "horovod"])
-def test_downed_link_during_training_ends_the_job_without_a_job_timeout(
-        cut_hosts: EmulatedHosts, tmp_path: Path, backend: str) -> None:
-    """No --timeout: the survivor times out in an optimizer step, aborts, and plait run ends
-    mpirun (which cannot reach the cut-off host to finish the abort) by itself."""
-    limit = TRAIN_TIMEOUT_S + 30
-    status, stderr, elapsed = fail_mid_job(
-        cut_hosts, tmp_path, job_timeout=None, action="link", program=DP_TRAINING,
-        backend=backend, extra_env={"PLAIT_TIMEOUT": str(TRAIN_TIMEOUT_S)}, wait_s=limit + 30,
-        options=SLOW_KEEPALIVE)
-    assert status is not None, "the job hung: the harness had to kill it"
-    assert status != 0, stderr
-    assert elapsed < limit, (elapsed, stderr)
-    # the message names the collective the survivor waited for
-    assert "CollectiveTimeoutError" in stderr and f"waited {TRAIN_TIMEOUT_S}s" in stderr, stderr
-    assert "allreduce(shape=" in stderr and "aborts the job" in stderr, stderr
 
 
 # torch.distributed (gloo) and MultiWorkerMirroredStrategy from the variables plait exports.
