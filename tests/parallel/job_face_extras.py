@@ -147,3 +147,39 @@ def test_sparse_allreduce_async_errors():
         hvd.sparse_allreduce_async(t, name="twice")
     assert first().to_dense().tolist() == [[float(hvd.size())] * 2] * 2 or hvd.size() != 1
     hvd.sparse_allreduce_async(t, name="twice")()  # released once synchronized
+
+
+def test_sync_batch_norm_training_with_distributed_optimizer_equals_serial():
+    start, end, total = _rows()
+    gen = torch.Generator().manual_seed(7)
+    x, target = torch.randn(total, 3, generator=gen), torch.randn(total, 2, generator=gen)
+
+    def model(norm: torch.nn.Module) -> torch.nn.Module:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(3, 4), norm, torch.nn.ReLU(), torch.nn.Linear(4, 2))
+
+    serial, dist = model(torch.nn.BatchNorm1d(4)), model(hvd.SyncBatchNorm(4))
+    opt_s = torch.optim.SGD(serial.parameters(), lr=0.1)
+    opt_d = hvd.DistributedOptimizer(torch.optim.SGD(dist.parameters(), lr=0.1),
+                                     named_parameters=dist.named_parameters())
+    for _ in range(3):  # the averaged gradient of size * local_sum / total is the serial one
+        opt_s.zero_grad(), opt_d.zero_grad()
+        ((serial(x) - target) ** 2).sum().div(total).backward()
+        ((dist(x[start:end]) - target[start:end]) ** 2).sum().mul(hvd.size() / total).backward()
+        opt_s.step(), opt_d.step()
+    for (name, a), b in zip(serial.state_dict().items(), dist.state_dict().values()):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5, msg=name)
+
+
+def test_sync_batch_norm_and_sparse_allreduce_follow_process_set():
+    import plait
+
+    alone = plait.world().split(hvd.rank(), 0)  # every rank a group of its own
+    ref, sync = _pair(1, 4)
+    sync.process_set = alone
+    x = torch.randn(3 + hvd.rank(), 4, generator=torch.Generator().manual_seed(hvd.rank()))
+    torch.testing.assert_close(sync(x), ref(x))  # this rank's rows only
+    torch.testing.assert_close(sync.running_mean, ref.running_mean)
+    t = _sparse(hvd.rank(), (4,), (), torch.float32)
+    out = hvd.synchronize(hvd.sparse_allreduce_async(t, op=hvd.Sum, process_set=alone))
+    torch.testing.assert_close(out.to_dense(), t.to_dense())
