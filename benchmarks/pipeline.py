@@ -167,17 +167,18 @@ def worker(args: Any) -> None:
                             balance="params", loss_fn=torch.nn.CrossEntropyLoss(),
                             optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
             pipe.train_step(x, y)  # warm-up
-            walls, bubbles, peaks = [], [], []
+            walls, bubbles, peaks, split = [], [], [], []
             for _ in range(steps):
                 world.barrier()
                 start = time.perf_counter()
                 pipe.train_step(x, y)
                 wall = time.perf_counter() - start
                 st = pipe.last_stats
-                everyone = world.allgather_object((st.wall, st.busy, st.peak_live))
-                makespan = max(w for w, _, _ in everyone)
-                bubbles.append(1 - sum(b for _, b, _ in everyone) / (p * makespan))
-                peaks.append(max(k for _, _, k in everyone))
+                everyone = world.allgather_object((st.wall, st.busy, st.peak_live, st.send, st.wait))
+                makespan = max(e[0] for e in everyone)
+                bubbles.append(1 - sum(e[1] for e in everyone) / (p * makespan))
+                peaks.append(max(e[2] for e in everyone))
+                split.append([(e[1], e[3], e[4]) for e in everyone])
                 walls.append(max(world.allgather_object(wall)))
             pipe.close()
             sim = simulate(get_schedule(schedule, p, m, v))
@@ -191,6 +192,10 @@ def worker(args: Any) -> None:
                 "bubble_simulated": sim.bubble_fraction,
                 "peak_live_measured": max(peaks),
                 "peak_live_simulated": max(sim.peak_activations),
+                # per rank: median seconds of compute, posting sends, waiting for messages
+                "per_rank": [{k: statistics.median(step[r][i] for step in split)
+                              for i, k in enumerate(("compute_s", "send_s", "wait_s"))}
+                             for r in range(p)],
             })
     sleep_rows = sleeping(world, grid, steps, 0.006 if args.smoke else 0.06)
     naive = next(r for r in rows if r["schedule"] == "gpipe" and r["microbatches"] == 1)
@@ -213,11 +218,13 @@ def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int,
           f"{m['whole_state'] / mib:.0f}"] for m in mem])
     table = md_table(
         ["schedule", "M", "step ms", "samples/s", "vs naive M=1", "bubble measured", "bubble theory",
-         "bubble sim", "peak live", "peak live sim"],
+         "bubble sim", "peak live", "peak live sim", "compute / send / wait ms per rank"],
         [[r["schedule"], r["microbatches"], f"{1e3 * r['step_s']['median']:.1f}",
           f"{r['samples_per_s']:.0f}", f"{r['speedup_vs_naive']:.2f}x", f"{r['bubble_measured']:.3f}",
           f"{r['bubble_theory']:.3f}", f"{r['bubble_simulated']:.3f}", r["peak_live_measured"],
-          r["peak_live_simulated"]] for r in rows])
+          r["peak_live_simulated"],
+          "; ".join(f"{1e3 * q['compute_s']:.0f} / {1e3 * q['send_s']:.1f} / {1e3 * q['wait_s']:.0f}"
+                    for q in r["per_rank"])] for r in rows])
     sleep_table = md_table(
         ["schedule", "M", "ideal ms", "step ms", "bubble measured", "bubble theory", "measured / theory"],
         [[r["schedule"], r["microbatches"], f"{1e3 * r['ideal_s']:.1f}", f"{1e3 * r['step_s']:.1f}",

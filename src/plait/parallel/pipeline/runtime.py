@@ -87,10 +87,14 @@ class StepStats:
     """Timers of one rank for one pipeline step.
 
     Attributes:
-        wall: Seconds from the first to the last action of the schedule.
+        wall: Seconds from the first action of the schedule to the end of its sends.
         busy: Seconds in forward and backward compute.
         forward: Seconds in forward compute.
         backward: Seconds in backward compute.
+        send: Seconds spent posting sends (copying to host buffers included).
+        wait: Seconds waiting for messages: receive actions, and the sends
+            still in flight at the end of the schedule (``wall - busy - send - wait``
+            is the runtime's own bookkeeping).
         peak_live: Largest number of (stage, micro-batch) activations alive
             (forward done, backward not yet) on this rank.
         spans: ``(start, end, "F"|"B", stage, microbatch)`` per compute action,
@@ -101,6 +105,8 @@ class StepStats:
     busy: float = 0.0
     forward: float = 0.0
     backward: float = 0.0
+    send: float = 0.0
+    wait: float = 0.0
     peak_live: int = 0
     spans: list[tuple[float, float, str, int, int]] = field(default_factory=list)
 
@@ -179,7 +185,10 @@ class Runtime:
         try:
             step = _Step(self, actions)
             losses = step.execute(inputs, targets)
+            start = time.perf_counter()
             self.wire.flush(self.notices.wait)
+            step.stats.wait += time.perf_counter() - start
+            step.stats.wall += time.perf_counter() - start
             self.notices.finish()
         except BaseException as exc:
             self.wire.pending.clear()
@@ -359,17 +368,23 @@ class _Step:
                     self.outbox[(s, mb)] = gin
             self.wire.reap()
         elif a.kind is ActionKind.SEND_ACT:
+            start = time.perf_counter()
             arr = to_numpy(self.outbox.pop((s, mb)))
             if s not in self.like:
                 self.like[s] = arr
             if mb == 0:
                 self.wire.send(header(arr), _peer(a), rt._tag(_HEAD, s, 0))
             self.wire.send(arr, _peer(a), rt._tag(_ACT, s, mb))
+            stats.send += time.perf_counter() - start
         elif a.kind is ActionKind.SEND_GRAD:
+            start = time.perf_counter()
             self.wire.send(to_numpy(self.outbox.pop((s, mb))), _peer(a), rt._tag(_GRAD, s, mb))
+            stats.send += time.perf_counter() - start
         else:
+            start = time.perf_counter()
             self._post(i, block=True)
             got = self.rt.notices.wait(self.posted.pop(i))
+            stats.wait += time.perf_counter() - start
             if a.kind is ActionKind.RECV_ACT:
                 self.acts[(s, mb)] = got
             else:
