@@ -101,16 +101,19 @@ class _Distributed:
                     parts = [fused]
                 else:
                     parts = list(torch.split(fused.reshape(-1), [s.numel for s in specs]))
+                ps = [params[spec.name] for spec in specs]
                 # a view is safe when the result of a plain allreduce is a tensor of its
-                # own (not one of our buffers, which the next step overwrites)
-                own = plain and not any(fused.data_ptr() == b.data_ptr() for b in buffers.values())
-                for spec, part in zip(specs, parts):
-                    p = params[spec.name]
+                # own (not one of our buffers, which the next step overwrites); one bucket
+                # holds one dtype
+                if (plain and fused.dtype == ps[0].dtype and fused.device == ps[0].device
+                        and not any(fused.data_ptr() == b.data_ptr() for b in buffers.values())):
+                    for p, part, spec in zip(ps, parts, specs):
+                        p.grad = part.view(spec.shape)
+                    continue
+                for p, part, spec in zip(ps, parts, specs):
                     grad = part.reshape(spec.shape)
-                    if own and grad.dtype == p.dtype and grad.device == p.device:
-                        p.grad = grad
-                    elif p.grad is None or p.grad.is_sparse:  # a sparse gradient comes back dense
-                        p.grad = grad.to(p.dtype).clone()
+                    if p.grad is None or p.grad.is_sparse or p.grad.dtype != grad.dtype:
+                        p.grad = grad.to(p.dtype).clone()  # a sparse gradient comes back dense
                     else:
                         p.grad.copy_(grad)
         self._plait_counts.update(self._plait_zeros)

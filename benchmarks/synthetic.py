@@ -224,7 +224,8 @@ def run_model(setup: _Setup, kind: str, args: Any) -> dict[str, Any]:
         img_secs.append(args.batch_size * args.num_batches_per_iter / (time.perf_counter() - t0))
         cpu_ms.append(1e3 * (time.process_time() - c0) / args.num_batches_per_iter)
         if setup.rank == 0 and not args.out:
-            print(f"Iter #{i}: {img_secs[-1]:.1f} img/sec per CPU", flush=True)
+            print(f"Iter #{i}: {img_secs[-1]:.1f} img/sec per CPU ({cpu_ms[-1]:.1f} CPU ms/step)",
+                  flush=True)
     return {"params": params, "img_secs": img_secs, "cpu_ms": cpu_ms}
 
 
