@@ -12,7 +12,7 @@ import torch
 
 from plait._face import _claim, _named, scale
 from plait._process_sets import communicator
-from plait.errors import PlaitTypeError, invalid
+from plait.errors import MismatchError, PlaitTypeError, invalid
 from plait.protocols import Handle
 
 __all__ = ["SparseHandle", "sparse_allreduce_async"]
@@ -27,23 +27,33 @@ class SparseHandle:
     ``handle()`` all give the reduced sparse tensor (waiting again returns it again).
     """
 
-    def __init__(self, like: torch.Tensor, indices: Handle, values: Handle, divisor: int) -> None:
-        self._like, self._indices, self._values, self._divisor = like, indices, values, divisor
+    def __init__(self, like: torch.Tensor, sizes: Handle, indices: Handle, values: Handle,
+                 divisor: int) -> None:
+        self._like, self._sizes, self._indices, self._values = like, sizes, indices, values
+        self._divisor = divisor
         self._result: torch.Tensor | None = None
 
     def done(self) -> bool:
         """Whether :meth:`wait` would return at once."""
-        return self._result is not None or (self._indices.done() and self._values.done())
+        return self._result is not None or all(h.done() for h in (self._sizes, self._indices,
+                                                                  self._values))
 
     def wait(self) -> torch.Tensor:
         """Wait for the allgathers and build the reduced sparse tensor.
 
         Returns:
             A sparse COO tensor of the input's size (uncoalesced, as Horovod's).
+
+        Raises:
+            MismatchError: on every rank, when the ranks' tensors differ in size.
         """
         if self._result is None:
+            sizes = self._sizes.wait()
             values = self._values.wait()
             indices = self._indices.wait()
+            if not bool((sizes == sizes[:1]).all()):
+                raise MismatchError("sparse_allreduce_async: the ranks' sparse tensors differ in "
+                                    f"size: {[tuple(r) for r in sizes.tolist()]} (rank order)")
             if self._divisor != 1:
                 values = scale(values, 1.0 / self._divisor)
             # checked: a rank whose tensor is larger would give out-of-range indices
@@ -84,7 +94,9 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: st
     comm = communicator(process_set)[0]
     indices = tensor._indices().t().contiguous()
     values = tensor._values().contiguous()
+    shape = torch.tensor([list(tensor.shape)], dtype=torch.int64)
+    sizes_handle = comm.allgather_async(shape, None if name is None else f"{name}.size")
     values_handle = comm.allgather_async(values, None if name is None else f"{name}.values")
     indices_handle = comm.allgather_async(indices, None if name is None else f"{name}.indices")
-    return SparseHandle(tensor, _named(indices_handle, name), values_handle,
+    return SparseHandle(tensor, sizes_handle, _named(indices_handle, name), values_handle,
                         comm.size if op == "average" else 1)

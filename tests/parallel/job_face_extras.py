@@ -183,3 +183,22 @@ def test_sync_batch_norm_and_sparse_allreduce_follow_process_set():
     t = _sparse(hvd.rank(), (4,), (), torch.float32)
     out = hvd.synchronize(hvd.sparse_allreduce_async(t, op=hvd.Sum, process_set=alone))
     torch.testing.assert_close(out.to_dense(), t.to_dense())
+
+
+def test_sync_batch_norm_channel_count_mismatch_fails_on_every_rank():
+    from plait.errors import MismatchError
+
+    c = 2 + hvd.rank()
+    with pytest.raises(MismatchError):
+        hvd.SyncBatchNorm(c)(torch.ones(2, c))
+    hvd.barrier()
+
+
+def test_sparse_allreduce_size_mismatch_fails_on_every_rank():
+    from plait.errors import MismatchError
+
+    t = torch.sparse_coo_tensor(torch.zeros(1, 1, dtype=torch.int64), torch.ones(1), (2 + hvd.rank(),),
+                                check_invariants=True)
+    with pytest.raises(MismatchError, match="differ in size"):
+        hvd.sparse_allreduce_async(t).wait()
+    hvd.barrier()
