@@ -4,8 +4,6 @@ PLAIT_BACKEND (tests/test_jobs.py runs both)."""
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -94,7 +92,7 @@ def test_sync_batch_norm_bad_input_raises_on_every_rank():
         sync(torch.ones(rows, 3))
 
 
-@pytest.mark.skipif(os.environ.get("PLAIT_BACKEND") != "horovod", reason="real Horovod")
+@pytest.mark.skipif(hvd.backend() != "horovod", reason="real Horovod runs on the Horovod backend")
 def test_real_horovod_sync_batch_norm_refuses_cpu_tensors_plaits_works():
     import horovod.torch as real
 
