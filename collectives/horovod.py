@@ -254,9 +254,9 @@ class HorovodCommunicator(CommunicatorBase):
         raises :class:`~plait.errors.MismatchError` on every rank, also when the
         mismatched data ops never meet in Horovod (an op left pending then).
 
-        torch: Horovod's ``{fn}_async`` handle, polled. TensorFlow: eager ops run on the
-        one worker thread (in order); graph ops (inside ``tf.function``) are built here,
-        checked once when the graph is built.
+        torch: Horovod's ``{fn}_async`` started on the one worker thread (in order), its
+        handle polled. TensorFlow: eager ops run on that thread; graph ops (inside
+        ``tf.function``) are built here, checked once when the graph is built.
 
         Args:
             fn: the library function's name.
@@ -272,18 +272,21 @@ class HorovodCommunicator(CommunicatorBase):
         if self.framework != "torch" and any(self._w.ops.is_symbolic(a) for a in args[:1]):
             self._verify(call)  # once, when the graph is built
             return Done(finish(getattr(hvd, fn)(*args, **kwargs)))
-        checked = self._check_async(call)
         what = f"{call.describe()} (Horovod op {kwargs.get('name')!r})"
+        checked = self._check_async(call)
         if self.framework == "torch":
-            started = getattr(hvd, f"{fn}_async")(*args, **kwargs)
+            # Horovod's enqueue blocks while its background loop waits for a lost or
+            # stopped rank: ops start on the worker thread (in order), waits are bounded
+            begun = self._w.worker().submit(getattr(hvd, f"{fn}_async"), *args, **kwargs)
             result: list[Any] = []
 
             def wait_torch() -> None:
                 checked.wait()
-                result.append(self._wait_torch(started, what))
+                self._wait_future(begun, what)
+                result.append(self._wait_torch(begun.result(), what))
 
-            return Pending(lambda: hvd.poll(started) and checked.done(), wait_torch,
-                           lambda: finish(result[0]), started)
+            return Pending(lambda: checked.done() and _polled(hvd, begun), wait_torch,
+                           lambda: finish(result[0]), args)
         future = self._w.worker().submit(getattr(hvd, fn), *args, **kwargs)
 
         def wait_tf() -> None:
@@ -318,16 +321,18 @@ class HorovodCommunicator(CommunicatorBase):
         self._call = call
         d = call.digest()
         digest = _from_numpy(self._w.ops, np.array([d, -d], dtype=np.int64))
-        h = self._hvd.allreduce_async(digest, op=self._hvd.Min, name=self._check_name(),
-                                      process_set=self._set)
+        # named here, in call order; started on the worker thread, like the data ops
+        begun = self._w.worker().submit(self._hvd.allreduce_async, digest, op=self._hvd.Min,
+                                        name=self._check_name(), process_set=self._set)
 
         def wait() -> None:
-            lo = np.asarray(self._w.ops.to_numpy(self._wait_torch(h)))
+            self._wait_future(begun, None)
+            lo = np.asarray(self._w.ops.to_numpy(self._wait_torch(begun.result())))
             if int(lo[0]) != -int(lo[1]):
                 raise mismatch(call, self._raw_allgather_rows,
                                f"the {self.backend} communicator of size {self.size}")
 
-        return Pending(lambda: bool(self._hvd.poll(h)), wait, lambda: None, digest)
+        return Pending(lambda: _polled(self._hvd, begun), wait, lambda: None, digest)
 
     def _verify(self, call: Call) -> None:
         self._check_async(call).wait()
@@ -345,7 +350,7 @@ class HorovodCommunicator(CommunicatorBase):
             time.sleep(min(1e-3, 1e-6 * spins))
         return hvd.synchronize(started)
 
-    def _wait_future(self, future: concurrent.futures.Future[Any], what: str) -> None:
+    def _wait_future(self, future: concurrent.futures.Future[Any], what: str | None) -> None:
         """Wait for an op running on the worker thread, at most ``self.timeout`` seconds."""
         try:
             future.result(timeout=self.timeout)
@@ -380,9 +385,10 @@ class HorovodCommunicator(CommunicatorBase):
         """Run the library's ``fn`` (allreduce, allgather, broadcast) on eager host
         tensors, raising :class:`CollectiveTimeoutError` after ``self.timeout``."""
         lib, hvd = self._w.ops, self._hvd
-        if self.framework == "torch":
-            h = getattr(hvd, f"{fn}_async")(*args, **kwargs)
-            return np.asarray(lib.to_numpy(self._wait_torch(h)))
+        if self.framework == "torch":  # started on the worker thread: see _start
+            begun = self._w.worker().submit(getattr(hvd, f"{fn}_async"), *args, **kwargs)
+            self._wait_future(begun, None)  # None: names the call being checked
+            return np.asarray(lib.to_numpy(self._wait_torch(begun.result())))
         # horovod.tensorflow has no handles: wait on a worker thread (one, so the
         # order of ops is kept even behind an op abandoned after a timeout)
         future = self._w.worker().submit(getattr(hvd, fn), *args, **kwargs)
@@ -603,6 +609,13 @@ class HorovodCommunicator(CommunicatorBase):
     def _host_graph(self, ops: TensorOps, tensor: Tensor) -> bool:
         """A symbolic tensor that the library cannot take natively."""
         return ops.is_symbolic(tensor) and ops.framework != self.framework
+
+
+def _polled(hvd: Any, begun: concurrent.futures.Future[Any]) -> bool:
+    """Whether a torch op started on the worker thread completed (or failed to start)."""
+    if not begun.done():
+        return False
+    return begun.exception() is not None or bool(hvd.poll(begun.result()))
 
 
 def _homogeneous(hvd: Any) -> bool:

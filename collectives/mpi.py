@@ -738,6 +738,16 @@ class MPICommunicator(CommunicatorBase):
     # -- groups ------------------------------------------------------------------------------------
     def split(self, color: int, key: int = 0) -> MPICommunicator:
         """Collective over this group: ranks with equal ``color`` form a new group,
-        ordered by ``key`` (then by rank)."""
+        ordered by ``key`` (then by rank).
+
+        Raises:
+            MismatchError: when another rank makes a different call.
+            CollectiveTimeoutError: when the others do not arrive within the timeout
+                (MPI's own split blocks: it starts only once every rank arrived).
+        """
+        if self.check and self.size > 1:
+            self._verify(Call("split", (), "none"))
+        else:
+            self._poll(self.comm.Ibarrier(), "split")
         sub = self.comm.Split(int(color), int(key))
         return MPICommunicator(sub, check=self.check, timeout=self.timeout, tuning=self.tuning)
