@@ -5,7 +5,9 @@ whole steps (from one :meth:`GradientReducer.finish` to the next, so forward,
 backward and the overlap of communication with it all count), skipping the first
 step after each change (new buffers, and plait checks a new plan once). Then every
 rank contributes its per-candidate medians to one small allreduce (``max``: exact,
-so every rank gets the same numbers) and all pick the same fastest size. The
+so every rank gets the same numbers) and all pick the same fastest size. Only
+uncompressed gradients are tuned: a lossy compressor's result (and its
+error-feedback memory, kept per bucket) depends on the grouping. The
 choice is printed by rank 0 and recorded in the timeline (``PLAIT_TIMELINE``) as
 an ``autotune`` event. Bucket size never changes the result: buckets only group
 elementwise reductions.

@@ -116,7 +116,9 @@ class GradientReducer:
         specs: every gradient, in registration order (same on all ranks).
         op: "average" or "sum" (or any reduction the backend supports).
         bucket_mb: fusion bucket size in MiB; None: tuned in the first steps
-            (:mod:`plait.parallel.autotune`; ``PLAIT_BUCKET_MB`` fixes it).
+            (:mod:`plait.parallel.autotune`; ``PLAIT_BUCKET_MB`` fixes it) when there is
+            no compression (a compressor's result depends on the grouping: then
+            :data:`DEFAULT_BUCKET_MB`).
         compression: a compressor from :mod:`plait.compression`, one of its names
             ("fp16", ...), or None.
         memory: its error-feedback memory (or "residual"), or None.
@@ -161,6 +163,10 @@ class GradientReducer:
         if not self._plain and op not in ("average", "sum"):
             raise invalid("op", op, f"'average' or 'sum' with compression={compression!r}")
         self._counted = False
+        if tune and not self._plain:
+            # a lossy compressor's result (and its error-feedback memory, kept per bucket)
+            # depends on the grouping: no tuning, the default size
+            start_mb, tune = DEFAULT_BUCKET_MB, False
         if compression is not None and hasattr(compression, "exchange"):
             start_mb, tune = 0.0, False  # e.g. PowerSGD: factorises each gradient in its own shape
         self._specs = list(specs)
