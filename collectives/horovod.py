@@ -254,9 +254,9 @@ class HorovodCommunicator(CommunicatorBase):
         raises :class:`~plait.errors.MismatchError` on every rank, also when the
         mismatched data ops never meet in Horovod (an op left pending then).
 
-        torch: Horovod's ``{fn}_async`` started on the one worker thread (in order), its
-        handle polled. TensorFlow: eager ops run on that thread; graph ops (inside
-        ``tf.function``) are built here, checked once when the graph is built.
+        torch: Horovod's ``{fn}_async`` handle, polled. TensorFlow: eager ops run on the
+        one worker thread (in order); graph ops (inside ``tf.function``) are built here,
+        checked once when the graph is built.
 
         Args:
             fn: the library function's name.
@@ -272,21 +272,18 @@ class HorovodCommunicator(CommunicatorBase):
         if self.framework != "torch" and any(self._w.ops.is_symbolic(a) for a in args[:1]):
             self._verify(call)  # once, when the graph is built
             return Done(finish(getattr(hvd, fn)(*args, **kwargs)))
-        what = f"{call.describe()} (Horovod op {kwargs.get('name')!r})"
         checked = self._check_async(call)
+        what = f"{call.describe()} (Horovod op {kwargs.get('name')!r})"
         if self.framework == "torch":
-            # Horovod's enqueue blocks while its background loop waits for a lost or
-            # stopped rank: ops start on the worker thread (in order), waits are bounded
-            begun = self._w.worker().submit(getattr(hvd, f"{fn}_async"), *args, **kwargs)
+            started = getattr(hvd, f"{fn}_async")(*args, **kwargs)
             result: list[Any] = []
 
             def wait_torch() -> None:
                 checked.wait()
-                self._wait_future(begun, what)
-                result.append(self._wait_torch(begun.result(), what))
+                result.append(self._wait_torch(started, what))
 
-            return Pending(lambda: checked.done() and _polled(hvd, begun), wait_torch,
-                           lambda: finish(result[0]), args)
+            return Pending(lambda: hvd.poll(started) and checked.done(), wait_torch,
+                           lambda: finish(result[0]), started)
         future = self._w.worker().submit(getattr(hvd, fn), *args, **kwargs)
 
         def wait_tf() -> None:
@@ -321,18 +318,16 @@ class HorovodCommunicator(CommunicatorBase):
         self._call = call
         d = call.digest()
         digest = _from_numpy(self._w.ops, np.array([d, -d], dtype=np.int64))
-        # named here, in call order; started on the worker thread, like the data ops
-        begun = self._w.worker().submit(self._hvd.allreduce_async, digest, op=self._hvd.Min,
-                                        name=self._check_name(), process_set=self._set)
+        name = self._check_name()
+        h = self._hvd.allreduce_async(digest, op=self._hvd.Min, name=name, process_set=self._set)
 
         def wait() -> None:
-            self._wait_future(begun, None)
-            lo = np.asarray(self._w.ops.to_numpy(self._wait_torch(begun.result())))
-            if int(lo[0]) != -int(lo[1]):
-                raise mismatch(call, self._raw_allgather_rows,
+            lo = np.asarray(self._w.ops.to_numpy(self._wait_torch(h)))
+            if int(lo[0]) != -int(lo[1]):  # several checks may be in flight: report this one
+                raise mismatch(call, lambda row: self._raw_allgather_rows(row, name),
                                f"the {self.backend} communicator of size {self.size}")
 
-        return Pending(lambda: _polled(self._hvd, begun), wait, lambda: None, digest)
+        return Pending(lambda: bool(self._hvd.poll(h)), wait, lambda: None, digest)
 
     def _verify(self, call: Call) -> None:
         self._check_async(call).wait()
@@ -350,7 +345,7 @@ class HorovodCommunicator(CommunicatorBase):
             time.sleep(min(1e-3, 1e-6 * spins))
         return hvd.synchronize(started)
 
-    def _wait_future(self, future: concurrent.futures.Future[Any], what: str | None) -> None:
+    def _wait_future(self, future: concurrent.futures.Future[Any], what: str) -> None:
         """Wait for an op running on the worker thread, at most ``self.timeout`` seconds."""
         try:
             future.result(timeout=self.timeout)
@@ -385,10 +380,9 @@ class HorovodCommunicator(CommunicatorBase):
         """Run the library's ``fn`` (allreduce, allgather, broadcast) on eager host
         tensors, raising :class:`CollectiveTimeoutError` after ``self.timeout``."""
         lib, hvd = self._w.ops, self._hvd
-        if self.framework == "torch":  # started on the worker thread: see _start
-            begun = self._w.worker().submit(getattr(hvd, f"{fn}_async"), *args, **kwargs)
-            self._wait_future(begun, None)  # None: names the call being checked
-            return np.asarray(lib.to_numpy(self._wait_torch(begun.result())))
+        if self.framework == "torch":
+            h = getattr(hvd, f"{fn}_async")(*args, **kwargs)
+            return np.asarray(lib.to_numpy(self._wait_torch(h)))
         # horovod.tensorflow has no handles: wait on a worker thread (one, so the
         # order of ops is kept even behind an op abandoned after a timeout)
         future = self._w.worker().submit(getattr(hvd, fn), *args, **kwargs)
@@ -412,18 +406,21 @@ class HorovodCommunicator(CommunicatorBase):
                             name=name or self._name("bytes"), process_set=self._set)
         return out.view(np.uint8)
 
-    def _raw_allgather_rows(self, row: np.ndarray) -> np.ndarray:
+    def _raw_allgather_rows(self, row: np.ndarray, check: str | None = None) -> np.ndarray:
         """The mismatch report's allgather. Ranks that made different calls may have
         named different numbers of data ops (a data op starts with its check), so the
-        report is named after the check, carries each rank's op count, and every rank
-        goes on from the largest: the next ops' names meet again."""
-        ext = np.zeros(row.size + 8, dtype=np.uint8)
+        report is named after the check that failed (``check``; default: the last one),
+        carries each rank's op and check counts, and every rank goes on from the largest:
+        the next ops' and checks' names meet again."""
+        ext = np.zeros(row.size + 16, dtype=np.uint8)
         ext[: row.size] = row
-        ext[row.size :].view(np.int64)[0] = self._seq
+        ext[row.size :].view(np.int64)[:] = (self._seq, self._checks)
+        check = check or f"plait.{self._cid}.check{self._checks}"
         with self._eager():
-            out = self._raw_allgather_eager(ext, f"plait.{self._cid}.check{self._checks}.rows")
-        rows = out.reshape(-1, row.size + 8)
-        self._seq = int(np.ascontiguousarray(rows[:, row.size :]).view(np.int64).max())
+            out = self._raw_allgather_eager(ext, f"{check}.rows")
+        rows = out.reshape(-1, row.size + 16)
+        counts = np.ascontiguousarray(rows[:, row.size :]).view(np.int64).max(axis=0)
+        self._seq, self._checks = int(counts[0]), int(counts[1])  # checks started apart too
         return np.ascontiguousarray(rows[:, : row.size])
 
     def _raw_bcast_bytes(self, data: np.ndarray | None, root: int) -> np.ndarray:
@@ -572,6 +569,18 @@ class HorovodCommunicator(CommunicatorBase):
         """Receive a tensor shaped like ``like`` from group rank ``source`` (through MPI)."""
         return self._p2p().recv(like, source, tag)
 
+    def send_async(self, tensor: Tensor, dest: int, tag: int = 0) -> Handle:
+        """Start a send to group rank ``dest`` (through MPI); see ``MPICommunicator.send_async``."""
+        p2p = self._p2p()
+        p2p.timeout = self.timeout
+        return p2p.send_async(tensor, dest, tag)
+
+    def recv_async(self, like: Tensor, source: int, tag: int = 0) -> Handle:
+        """Start a receive from group rank ``source`` (through MPI); ``wait()`` gives the tensor."""
+        p2p = self._p2p()
+        p2p.timeout = self.timeout
+        return p2p.recv_async(like, source, tag)
+
     # -- groups -------------------------------------------------------------------------------
     def split(self, color: int, key: int = 0) -> HorovodCommunicator:
         """Collective over this group: ranks with equal ``color`` form a Horovod process set.
@@ -609,13 +618,6 @@ class HorovodCommunicator(CommunicatorBase):
     def _host_graph(self, ops: TensorOps, tensor: Tensor) -> bool:
         """A symbolic tensor that the library cannot take natively."""
         return ops.is_symbolic(tensor) and ops.framework != self.framework
-
-
-def _polled(hvd: Any, begun: concurrent.futures.Future[Any]) -> bool:
-    """Whether a torch op started on the worker thread completed (or failed to start)."""
-    if not begun.done():
-        return False
-    return begun.exception() is not None or bool(hvd.poll(begun.result()))
 
 
 def _homogeneous(hvd: Any) -> bool:

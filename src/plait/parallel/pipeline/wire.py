@@ -223,6 +223,7 @@ class Notices:
 
         Raises:
             StageFailed: A peer failed in this step.
+            CollectiveTimeoutError: Nothing arrived within the communicator's timeout.
         """
         if not self.inbox:
             return h.wait()
@@ -231,7 +232,13 @@ class Notices:
             self.check()
             if not self.inbox:
                 break
-            if time.monotonic() - start < _SPIN_S:
+            now = time.monotonic()
+            if now - start > self.wire.timeout:
+                raise CollectiveTimeoutError(
+                    f"pipeline: waited {self.wire.timeout:g}s for a message; pipeline ranks "
+                    f"{sorted(self.inbox)} sent no notice of this step either (dead, stuck, "
+                    "or their host unreachable)")
+            if now - start < _SPIN_S:
                 os.sched_yield()
             else:
                 time.sleep(_NAP_S)
