@@ -524,7 +524,7 @@ def test_join_returns_the_last_rank_to_join_and_timeline_calls():
 
 
 # names of Horovod 0.28's modules that plait leaves out: submodules and internals, and (in
-# README) SyncBatchNorm, sparse_allreduce_async, PartialDistributedGradientTape, load_model
+# README) SyncBatchNormalization, PartialDistributedGradientTape, load_model
 _NOT_FACES = {
     "check_extension", "compression", "functions",
     "mpi_lib_v2", "mpi_ops", "optimizer", "sync_batch_norm", "LocalGradientAggregationHelper",
