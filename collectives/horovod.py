@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from plait.errors import BackendUnavailableError, CollectiveTimeoutError, invalid
+from plait.errors import BackendUnavailableError, CollectiveTimeoutError, MismatchError, invalid
 from plait.protocols import Handle, Tensor, TensorOps
 
 from .base import CommunicatorBase, Done, Pending, check_splits
@@ -311,7 +311,12 @@ class HorovodCommunicator(CommunicatorBase):
             if self._mpi is not None:
                 self._call = call
                 self._mpi.timeout = self.timeout  # the caller may have changed it
-                self._mpi._verify(call)
+                try:
+                    self._mpi._verify(call)
+                except MismatchError:  # a data op names itself first, an object call not
+                    counts = self._mpi.allgather_object((self._seq, self._checks))
+                    self._seq, self._checks = (max(c) for c in zip(*counts))
+                    raise
             else:
                 super()._verify(call)
             return Done(None)
