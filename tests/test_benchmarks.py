@@ -27,7 +27,7 @@ HEADERS = {
                    "| accuracy % | vs uncompressed |",
     "async_dp": "| mode | samples/s | x sync | steps (fast, slow) | accuracy % | Δ acc | max staleness |",
     "pipeline": "| schedule | M | step ms | samples/s | vs naive M=1 | bubble measured | bubble theory "
-                "| bubble sim | peak live | peak live sim |",
+                "| bubble sim | peak live | peak live sim | compute / send / wait ms per rank |",
     "tensor": "| variant | ranks | params/rank | step (median, s) | step min-max (s) | comm/rank/step "
               "| analytic |",
     "synthetic": "| model | params | backend | img/s per rank | total img/s | step ms | CPU ms/step |",
