@@ -20,7 +20,7 @@ from plait.protocols import REDUCE_OPS, Handle, Tensor, TensorOps
 from .check import Call, verify
 from .graph_order import ordered
 
-__all__ = ["CommunicatorBase", "Done", "Pending", "reducescatter_counts"]
+__all__ = ["CommunicatorBase", "Done", "Pending", "rank_list", "reducescatter_counts"]
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -261,6 +261,15 @@ class CommunicatorBase:
             offset += int(n)
         return out
 
+    def on_hosts(self, ranks: Sequence[int]) -> str:
+        """``"host NAME; "`` or ``"hosts [...]; "`` (each once) of ``ranks`` of this
+        group, for messages; ``""`` when the hosts are unknown."""
+        names = getattr(self, "host_names", None)
+        if not names:
+            return ""
+        hosts = list(dict.fromkeys(names[r] for r in ranks))
+        return f"host {hosts[0]}; " if len(hosts) == 1 else f"hosts {hosts}; "
+
     def _topology(self) -> None:
         """Set local/cross rank and size from every rank's host name."""
         hosts = self.allgather_object(socket.gethostname())
@@ -293,6 +302,11 @@ def check_splits(splits: Sequence[int] | None, rows: int, size: int) -> list[int
             f"summing to the first dimension {rows}"
         )
     return out
+
+
+def rank_list(ranks: Sequence[int]) -> str:
+    """``"rank R"`` or ``"ranks [...]"``, for messages."""
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
 
 
 def floating(dtype: str) -> bool:

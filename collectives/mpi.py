@@ -34,7 +34,15 @@ from plait.adapters.numpy import bf16_to_f32, f32_to_bf16
 from plait.errors import CollectiveTimeoutError, MismatchError, invalid
 from plait.protocols import Handle, Tensor
 
-from .base import CommunicatorBase, Done, Pending, check_splits, floating, reducescatter_counts
+from .base import (
+    CommunicatorBase,
+    Done,
+    Pending,
+    check_splits,
+    floating,
+    rank_list,
+    reducescatter_counts,
+)
 from .check import Call, mismatch
 from .ring import Chain, Exchange, Relay, Ring, combiner, segments
 from .tuning import Tuning
@@ -115,8 +123,6 @@ class _P2P(_Request):
         return self.complete
 
 
-def _ranks(ranks: Sequence[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {list(ranks)}"
 
 
 class MPICommunicator(CommunicatorBase):
@@ -280,10 +286,10 @@ class MPICommunicator(CommunicatorBase):
             return f"{head}; could not ask the other ranks where they wait ({exc})"
         missing = [r for r in range(self.size) if r != self.rank and r not in heard]
         here = [self.rank] + sorted(r for r, s in heard.items() if s == seq)
-        parts = [f"{_ranks(sorted(here))} of this group waited in it"]
+        parts = [f"{rank_list(sorted(here))} of this group waited in it"]
         if missing:
-            parts.append(f"{_ranks(missing)}{self._world_ranks(missing)} did not arrive "
-                         f"({self._on_hosts(missing)}dead, stuck, unreachable, or busy outside plait)")
+            parts.append(f"{rank_list(missing)}{self._world_ranks(missing)} did not arrive "
+                         f"({self.on_hosts(missing)}dead, stuck, unreachable, or busy outside plait)")
         for r, s in sorted(heard.items()):
             if s != seq:
                 where = "a recv" if s < 0 else f"collective #{s}"
@@ -291,20 +297,12 @@ class MPICommunicator(CommunicatorBase):
                              "(calling something else)")
         return f"{head}; " + "; ".join(parts)
 
-    def _on_hosts(self, ranks: list[int]) -> str:
-        """``host NAME; `` / ``hosts [...]; `` (each once) of ``ranks`` of this group."""
-        names = getattr(self, "host_names", None)
-        if not names:
-            return ""
-        hosts = list(dict.fromkeys(names[r] for r in ranks))
-        return f"host {hosts[0]}; " if len(hosts) == 1 else f"hosts {hosts}; "
-
     def _world_ranks(self, ranks: list[int]) -> str:
         """`` (world ranks [...])`` when this group is not the whole world."""
         if self.size == MPI.COMM_WORLD.Get_size():
             return ""
         world = MPI.Group.Translate_ranks(self.comm.Get_group(), ranks, MPI.COMM_WORLD.Get_group())
-        return f" (world {_ranks(list(world))})"
+        return f" (world {rank_list(list(world))})"
 
     def _raw_allgather_bytes(self, data: np.ndarray) -> np.ndarray:
         data = _flat_bytes(data)
