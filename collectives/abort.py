@@ -41,8 +41,8 @@ from typing import Any
 
 from plait.errors import CollectiveTimeoutError, MismatchError, invalid
 
-__all__ = ["ABORT_CODE", "EXIT_GRACE_S", "LAUNCHER_GRACE_S", "LAUNCHERS", "install", "installed",
-           "launcher_pid"]
+__all__ = ["ABORT_CODE", "EXIT_GRACE_S", "LAUNCHER_GRACE_S", "LAUNCHERS", "end_job", "install",
+           "installed", "launcher_pid"]
 
 #: Exit status of a rank ended by :func:`install`'s hook (and of a job it aborted).
 ABORT_CODE = 3
@@ -155,6 +155,18 @@ def _exit(kind: type[BaseException], value: BaseException, tb: TracebackType | N
     rank = os.environ.get("HOROVOD_RANK", "?")
     _report(kind, value, tb, rank, f"exits with status {ABORT_CODE}")
     os._exit(ABORT_CODE)
+
+
+def end_job(error: BaseException, mpi: bool = True) -> None:
+    """Print ``error`` and end the whole job now, as an uncaught error would with
+    :func:`install` (for a thread that cannot raise into the one that is stuck).
+
+    Args:
+        error: what happened.
+        mpi: end the job with ``MPI_Abort``; False: exit this process.
+    """
+    (_abort if mpi else _exit)(type(error), error, error.__traceback__)
+    os._exit(ABORT_CODE)  # a job of one rank: MPI_Abort is not called
 
 
 def install(every_exception: bool = False, mpi: bool = True, grace: float = EXIT_GRACE_S) -> None:

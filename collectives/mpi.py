@@ -34,6 +34,7 @@ from plait.adapters.numpy import bf16_to_f32, f32_to_bf16
 from plait.errors import CollectiveTimeoutError, MismatchError, invalid
 from plait.protocols import Handle, Tensor
 
+from .abort import end_job
 from .base import (
     CommunicatorBase,
     Done,
@@ -44,8 +45,10 @@ from .base import (
     reducescatter_counts,
 )
 from .check import Call, mismatch
+from .pool import BufferPool
 from .ring import Chain, Exchange, Relay, Ring, combiner, segments
 from .tuning import Tuning
+from .watchdog import Watchdog
 
 __all__ = ["PROGRESS_S", "SLOT", "SPIN_S", "MPICommunicator", "thread_level"]
 
@@ -154,6 +157,9 @@ class MPICommunicator(CommunicatorBase):
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
+        self._waiters = 0  # threads in _wait_until (they drive; the progress thread rests)
+        self._pool = BufferPool()  # outputs, reused once nobody holds them
+        self._watchdog = Watchdog(self._stuck, name=f"plait-watchdog-{self.rank}")
         self._ring_seq = 0
         self._calls = 0  # bounded collective waits so far (the "#k" of the timeout report)
         self._asked = 0  # timeouts reported so far (the id of each "who is waiting?")
@@ -190,11 +196,14 @@ class MPICommunicator(CommunicatorBase):
             self._lock.release()
 
     def _progress_loop(self) -> None:
-        """The progress thread: drive what is in flight, sleep when nothing is."""
+        """The progress thread: drive what is in flight while nobody waits for it (a
+        waiter drives everything itself; two threads polling one transport only
+        trade the GIL and the lock), sleep when nothing is in flight."""
         while True:
             self._wake.wait()
             while self._rings:
-                self._drive(block=False)
+                if not self._waiters:
+                    self._drive(block=False)
                 time.sleep(PROGRESS_S)
             self._wake.clear()
             if self._rings:  # started between the check and the clear
@@ -211,6 +220,13 @@ class MPICommunicator(CommunicatorBase):
         waiting (saying "collective #seq", or -1 outside a collective)."""
         if ready():
             return
+        self._waiters += 1
+        try:
+            self._wait_loop(ready, timed_out, seq)
+        finally:
+            self._waiters -= 1
+
+    def _wait_loop(self, ready: Callable[[], bool], timed_out: Callable[[], str], seq: int) -> None:
         now = time.monotonic()
         deadline, quiet, answer_at = now + self.timeout, now, 0.0
         while True:
@@ -234,6 +250,13 @@ class MPICommunicator(CommunicatorBase):
         self._calls += 1
         seq = self._calls
         self._wait_until(req.Test, lambda: self._timeout_report(what, seq), seq)
+
+    def _stuck(self, what: str) -> None:
+        """A blocking call outlived the timeout (the watchdog's thread): end the job."""
+        end_job(CollectiveTimeoutError(
+            f"{self!r}: waited {self.timeout:g}s in the blocking data phase of {what}, which every "
+            "rank had reached (a rank stopped, died or was cut off in the middle of it); a "
+            "blocking call cannot raise, so this rank ends the job"))
 
     # -- timeout report ----------------------------------------------------------------
     def _answer(self, seq: int) -> dict[int, int]:
@@ -449,6 +472,14 @@ class MPICommunicator(CommunicatorBase):
 
     # -- collectives -----------------------------------------------------------------------------
     def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Handle:
+        return self._allreduce(tensor, op, name, sync=False)
+
+    def allreduce(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Tensor:
+        """Reduce ``tensor`` over all ranks; every rank gets the result (on one host a
+        blocking MPI call once every rank arrived, see :meth:`Tuning.blocks`)."""
+        return self._allreduce(tensor, op, name, sync=True).wait()
+
+    def _allreduce(self, tensor: Tensor, op: str, name: str | None, sync: bool) -> Handle:
         ops = self._ops(tensor, "allreduce")
         graph = self._graph(ops, tensor, lambda a: self.allreduce(a, op, name))
         if graph is not None:
@@ -467,16 +498,20 @@ class MPICommunicator(CommunicatorBase):
             for r in range(1, self.size):
                 combine(out, out, parts[r])
             return Done(ops.from_numpy(self._reduced(out.reshape(buf.shape), op, dtype), tensor))
-        self._verify(call)
+        algorithm = self.tuning.reduce_algorithm(buf.nbytes, dtype, self.cross_size,
+                                                 self.local_size if self._local else 1)
+        blocking = sync and algorithm == "mpi" and self.tuning.blocks(self.cross_size)
+        if blocking:
+            self._header(call)  # every rank arrived (with the check off too)
+        else:
+            self._verify(call)
 
         def finish() -> Tensor:
             return ops.from_numpy(self._reduced(out.reshape(buf.shape), op, dtype), tensor)
 
         what = call.describe()
-        algorithm = self.tuning.reduce_algorithm(buf.nbytes, dtype, self.cross_size,
-                                                 self.local_size if self._local else 1)
         if algorithm != "mpi":
-            out = np.empty(buf.size, dtype=buf.dtype)
+            out = self._pool.empty((buf.size,), buf.dtype)
             combine = combiner(dtype, op)
             engine: Ring | Chain
             if algorithm == "hierarchical":
@@ -485,10 +520,17 @@ class MPICommunicator(CommunicatorBase):
                 engine = self._ring(out, reducescatter_counts(out.size, self.size), "allreduce",
                                     combine, buf.reshape(-1))
             return self._start(engine, finish, (buf, tensor), what)
-        out = np.empty_like(buf)
+        out = self._pool.empty(buf.shape, buf.dtype)
         mpi_op = _BOOL[op] if dtype == "bool" else _BUILTIN[op]
-        req = self.comm.Iallreduce([buf, _MPI_TYPES[dtype]], [out, _MPI_TYPES[dtype]], mpi_op)
-        return self._request(req, finish, (buf, tensor), what)
+        send, recv = [buf, _MPI_TYPES[dtype]], [out, _MPI_TYPES[dtype]]
+        if blocking:
+            key = self._watchdog.arm(self.timeout, call.describe)
+            try:
+                self.comm.Allreduce(send, recv, mpi_op)
+            finally:
+                self._watchdog.disarm(key)
+            return Done(finish())
+        return self._request(self.comm.Iallreduce(send, recv, mpi_op), finish, (buf, tensor), what)
 
     def allgather_async(self, tensor: Tensor, name: str | None = None) -> Handle:
         ops = self._ops(tensor, "allgather")
@@ -503,7 +545,7 @@ class MPICommunicator(CommunicatorBase):
         rows = self._header(call, buf.shape[0]).view(np.int64)[:, 1].copy()
         row_bytes = int(np.prod(buf.shape[1:], dtype=np.int64)) * buf.itemsize
         counts = rows * row_bytes
-        out = np.empty((int(rows.sum()),) + buf.shape[1:], dtype=buf.dtype)
+        out = self._pool.empty((int(rows.sum()),) + buf.shape[1:], buf.dtype)
         flat = _flat_bytes(out)
         if self.tuning.gather_algorithm(flat.size, self.cross_size) == "ring":
             start = int(counts[: self.rank].sum())
@@ -528,7 +570,9 @@ class MPICommunicator(CommunicatorBase):
             data = np.ascontiguousarray(rows[root, _HEAD : _HEAD + buf.nbytes])
             return Done(ops.from_numpy(data.view(buf.dtype).reshape(buf.shape).copy(), tensor))
         self._verify(call)
-        out = buf.copy() if self.rank == root else np.empty_like(buf)
+        out = self._pool.empty(buf.shape, buf.dtype)
+        if self.rank == root:
+            out[...] = buf
         if self.tuning.gather_algorithm(buf.nbytes, self.cross_size) == "ring":
             comm = self._ring_comm
             relay = Relay(_flat_bytes(out), self.rank, self.size, root,
@@ -563,7 +607,7 @@ class MPICommunicator(CommunicatorBase):
             self._verify(call)
             recv = np.empty(self.size, dtype=np.int64)
             self._poll(self.comm.Ialltoall(send, recv), call.describe())
-        out = np.empty((int(recv.sum()),) + buf.shape[1:], dtype=buf.dtype)
+        out = self._pool.empty((int(recv.sum()),) + buf.shape[1:], buf.dtype)
         src, dst = _flat_bytes(buf), _flat_bytes(out)
         row = int(np.prod(buf.shape[1:], dtype=np.int64)) * buf.itemsize
         so, ro = segments(send * row), segments(recv * row)
@@ -604,7 +648,7 @@ class MPICommunicator(CommunicatorBase):
         shape = (rows[self.rank],) + buf.shape[1:]
         if self.size > 1 and self.tuning.reduce_algorithm(buf.nbytes, dtype,
                                                           self.cross_size) != "mpi":
-            flat = np.empty(buf.size, dtype=buf.dtype)
+            flat = self._pool.empty((buf.size,), buf.dtype)
             start = sum(rows[: self.rank]) * row
 
             def mine() -> Tensor:
@@ -614,7 +658,7 @@ class MPICommunicator(CommunicatorBase):
             ring = self._ring(flat, [r * row for r in rows], "reducescatter", combiner(dtype, op),
                               buf.reshape(-1))
             return self._start(ring, mine, (buf, tensor), call.describe())
-        out = np.empty(shape, dtype=buf.dtype)
+        out = self._pool.empty(shape, buf.dtype)
         mpi_op = _BOOL[op] if dtype == "bool" else _BUILTIN[op]
         req = self.comm.Ireduce_scatter([buf, _MPI_TYPES[dtype]], [out, _MPI_TYPES[dtype]],
                                         [r * row for r in rows], mpi_op)
@@ -670,7 +714,7 @@ class MPICommunicator(CommunicatorBase):
                 f"{self!r}: recv from rank {source} (tag {tag}) expected {template.nbytes} bytes "
                 f"(shape {template.shape}, {ops.dtype_name(like)}) but the message has {got}"
             )
-        out = np.empty_like(template)
+        out = self._pool.empty(template.shape, template.dtype)
         self._poll(self.comm.Irecv(_flat_bytes(out), source=source, tag=tag),
                    f"a recv from rank {source} (tag {tag}) of {template.nbytes} bytes")
         return ops.from_numpy(out, like)
@@ -702,7 +746,7 @@ class MPICommunicator(CommunicatorBase):
         self._validate_rank("source", source)
         ops = self._ops(like, "recv")
         template = ops.to_numpy(like)
-        out = np.empty(template.shape, dtype=template.dtype)
+        out = self._pool.empty(template.shape, template.dtype)
         req = _P2P(self.comm.Irecv(_flat_bytes(out), source=source, tag=tag))
 
         def finish() -> Tensor:

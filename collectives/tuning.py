@@ -21,6 +21,13 @@ message size, the dtype and the host layout, overridable by environment variable
 ``PLAIT_RING_MIN_KB`` the smallest message that takes the ring across hosts
 (default 64 KiB). ``PLAIT_ALLGATHER`` (``auto``/``ring``/``mpi``) does the same for
 allgather and broadcast (a broadcast's ring is a pipelined relay from the root).
+
+``PLAIT_BLOCKING`` (``auto``/``never``): with ``auto`` (default), a synchronous
+collective that Open MPI moves between ranks of one host is a blocking MPI call
+once the header round showed that every rank arrived (over shared memory Open
+MPI's blocking collectives are faster than their nonblocking forms), bounded by a
+watchdog that ends the job if a rank stops in the middle of it; ``never`` keeps
+every collective nonblocking (each wait raises after the timeout).
 Every rank must use the same settings (``plait run`` forwards ``PLAIT_*``).
 """
 
@@ -79,6 +86,8 @@ class Tuning:
         chunk_bytes: the ring's pipelining grain.
         ring_min_bytes: the smallest message that takes the ring across hosts under "auto".
         window: the ring's chunks in flight at once (see :class:`~plait.collectives.ring.Ring`).
+        blocking: "auto" (synchronous collectives between ranks of one host are
+            blocking MPI calls under a watchdog) or "never".
     """
 
     allreduce: str = "auto"
@@ -86,11 +95,12 @@ class Tuning:
     chunk_bytes: int = 256 * 1024
     ring_min_bytes: int = 64 * 1024
     window: int = 8
+    blocking: str = "auto"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Tuning:
         """Read ``PLAIT_ALLREDUCE``, ``PLAIT_ALLGATHER``, ``PLAIT_RING_CHUNK_KB``,
-        ``PLAIT_RING_MIN_KB`` and ``PLAIT_RING_WINDOW``.
+        ``PLAIT_RING_MIN_KB``, ``PLAIT_RING_WINDOW`` and ``PLAIT_BLOCKING``.
 
         Raises:
             ConfigError: for a value outside what the module doc lists.
@@ -99,7 +109,8 @@ class Tuning:
         return cls(_choice(env, "PLAIT_ALLREDUCE", ALGORITHMS),
                    _choice(env, "PLAIT_ALLGATHER", ("auto", "ring", "mpi")),
                    _kib(env, "PLAIT_RING_CHUNK_KB", 256), _kib(env, "PLAIT_RING_MIN_KB", 64),
-                   _count(env, "PLAIT_RING_WINDOW", 8))
+                   _count(env, "PLAIT_RING_WINDOW", 8),
+                   _choice(env, "PLAIT_BLOCKING", ("auto", "never")))
 
     def reduce_algorithm(self, nbytes: int, dtype: str, hosts: int, per_host: int = 1) -> str:
         """"hierarchical", "ring" or "mpi" for an allreduce of ``nbytes``.
@@ -125,8 +136,13 @@ class Tuning:
             return self.allgather
         return "ring" if hosts > 1 and nbytes >= self.ring_min_bytes else "mpi"
 
+    def blocks(self, hosts: int) -> bool:
+        """Whether a synchronous collective that Open MPI moves may be a blocking call
+        (after the header round) in a group spanning ``hosts`` hosts."""
+        return self.blocking == "auto" and hosts == 1
+
     def describe(self) -> str:
         """One line for ``plait info`` and the timeline."""
         return (f"allreduce={self.allreduce} allgather={self.allgather} "
                 f"ring_chunk={self.chunk_bytes // 1024}KiB ring_min={self.ring_min_bytes // 1024}KiB "
-                f"ring_window={self.window}")
+                f"ring_window={self.window} blocking={self.blocking}")

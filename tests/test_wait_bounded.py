@@ -16,6 +16,7 @@ import time
 import pytest
 from jobs import ROOT, run_job
 from plait.collectives.abort import ABORT_CODE
+from plait.collectives.watchdog import Watchdog
 
 from plait.launch.command import build_command
 from plait.launch.run import KEEPALIVE_MCA, build_parser, spec_from_args
@@ -73,3 +74,49 @@ def test_plait_run_gives_mpirun_a_short_keepalive_unless_told_otherwise() -> Non
     assert build_command(spec).argv.count("oob_tcp_keepalive_time") == 1
     spec = spec_from_args(build_parser().parse_args(["--launcher", "horovodrun", "--", "x"]))
     assert "--mca" not in build_command(spec).argv  # horovodrun takes no --mca
+
+
+_STOPS_IN_DATA_PHASE = """
+import os, signal
+import numpy as np
+from plait.collectives.check import Call
+from plait.collectives.mpi import MPICommunicator
+comm = MPICommunicator(timeout=2.0)
+x = np.ones(100_000, np.float32)  # above the header's slot: a blocking Allreduce on one host
+assert comm.tuning.blocks(comm.cross_size)
+print(f"first {comm.allreduce(x, 'sum')[0]}", flush=True)
+if comm.rank == 1:  # arrive at the next collective (its header), then stop in its data phase
+    comm._header(Call("allreduce", x.shape, "float32", op="sum", name=None))
+    os.kill(os.getpid(), signal.SIGSTOP)
+comm.allreduce(x, "sum")
+print("the stuck allreduce returned", flush=True)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_stopped_inside_a_blocking_collective_ends_the_job() -> None:
+    """On one host a synchronous allreduce is a blocking MPI call once every rank arrived;
+    the watchdog ends the job with the collective's name when a rank stops inside it."""
+    start = time.monotonic()
+    result = run_job("mpirun", 2, [sys.executable, "-c", _STOPS_IN_DATA_PHASE], timeout=90)
+    elapsed = time.monotonic() - start
+    out = result.output
+    assert out.count("first 2.0") == 2, result.tail()
+    assert result.returncode not in (0, 124), result.tail()
+    assert "the stuck allreduce returned" not in out, result.tail()
+    assert re.search(r"CollectiveTimeoutError: .*waited 2s in the blocking data phase of "
+                     r"allreduce\(shape=\(100000,\), dtype=float32, op=sum", out), result.tail()
+    assert elapsed < 45, (elapsed, result.tail())
+
+
+def test_watchdog_calls_expire_only_for_a_call_that_outlives_its_time() -> None:
+    expired: list[str] = []
+    dog = Watchdog(expired.append)
+    key = dog.arm(0.05, lambda: "quick")
+    dog.disarm(key)
+    dog.arm(0.1, lambda: "slow")
+    deadline = time.monotonic() + 5
+    while not expired and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.1)
+    assert expired == ["slow"]

@@ -1,0 +1,79 @@
+"""Output buffers reused once nothing refers to them any more.
+
+A collective returns a new tensor, so each call needs a fresh output buffer. A
+fresh large buffer is not free: glibc maps it anew from the kernel and every
+page faults on first touch (measured here in MPI ranks: a 1 MiB output costs
+about 450 us of page faults, more than the 200 us the allreduce itself takes
+over shared memory). :class:`BufferPool` keeps the buffers it handed out and
+gives one again once no array or tensor refers to it: every array it hands out
+is a view of a pooled buffer, and a view (and a tensor made from it, by
+``torch.from_numpy``) keeps its base alive, so a base that only the pool still
+refers to is not used by anybody. Nothing here imports MPI or a framework.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import threading
+from collections import OrderedDict
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BufferPool"]
+
+#: Outputs smaller than this come from numpy's allocator (cheap at that size).
+MIN_BYTES = 64 * 1024
+#: The pool forgets its oldest buffers beyond this many bytes in all.
+MAX_BYTES = 1 << 30
+#: ... and its oldest buffer of a size beyond this many of that size.
+MAX_PER_SIZE = 16
+
+
+class BufferPool:
+    """Output buffers, reused once nobody holds them.
+
+    Args:
+        min_bytes: smaller buffers are allocated anew each time.
+        max_bytes: the most bytes the pool refers to; the oldest buffers are
+            forgotten beyond it (freed when nobody else holds them).
+    """
+
+    def __init__(self, min_bytes: int = MIN_BYTES, max_bytes: int = MAX_BYTES) -> None:
+        self.min_bytes, self.max_bytes = min_bytes, max_bytes
+        self._by_size: OrderedDict[int, list[np.ndarray]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()  # two threads must not take the same free buffer
+
+    def empty(self, shape: tuple[int, ...], dtype: np.dtype[Any]) -> np.ndarray:
+        """An uninitialised array of ``shape`` and ``dtype`` that nobody else uses.
+
+        Returns:
+            A view of a pooled buffer (or a new array below ``min_bytes``).
+        """
+        n = dtype.itemsize * math.prod(shape)
+        if n < self.min_bytes:
+            return np.empty(shape, dtype=dtype)
+        with self._lock:
+            return self._take(n, dtype, shape)
+
+    def _take(self, n: int, dtype: np.dtype[Any], shape: tuple[int, ...]) -> np.ndarray:
+        bases = self._by_size.get(n)
+        if bases is None:
+            bases = self._by_size[n] = []
+        else:
+            self._by_size.move_to_end(n)
+        for i in range(len(bases)):
+            # referred to by the list and by getrefcount's argument only: unused
+            if sys.getrefcount(bases[i]) == 2:
+                return bases[i].view(dtype).reshape(shape)
+        base = np.empty(n, dtype=np.uint8)
+        bases.append(base)
+        self._bytes += n
+        if len(bases) > MAX_PER_SIZE:
+            self._bytes -= bases.pop(0).nbytes
+        while self._bytes > self.max_bytes and len(self._by_size) > 1:
+            _, dropped = self._by_size.popitem(last=False)
+            self._bytes -= sum(b.nbytes for b in dropped)
+        return base.view(dtype).reshape(shape)
