@@ -14,7 +14,9 @@ import contextlib
 from collections.abc import Iterable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
+from plait.collectives.pool import BufferPool
 
 from plait.errors import invalid
 from plait.parallel.data import Bucket, GradientReducer, GradSpec
@@ -35,7 +37,7 @@ class _Distributed:
     _plait_passes: int
     _plait_skip: bool
     _plait_predivide: float
-    _plait_buffers: dict[int, torch.Tensor]
+    _plait_pool: BufferPool
 
     def _plait_hook(self, name: str) -> Any:
         counts, passes, predivide = self._plait_counts, self._plait_passes, self._plait_predivide
@@ -62,14 +64,17 @@ class _Distributed:
         return hook
 
     def _plait_fuse(self, bucket: Bucket) -> torch.Tensor:
-        """The bucket's gradients copied into a buffer kept from step to step."""
+        """The bucket's gradients copied into a buffer that nothing else refers to, which
+        the reducer may reduce in place. On the CPU it comes from a pool: a buffer still
+        viewed by last step's ``.grad`` is not reused, and no step faults in fresh pages."""
         grads = [bucket.grads[s.name].reshape(-1) for s in bucket.specs]
         numel = sum(s.numel for s in bucket.specs)
         first = grads[0]
-        buf = self._plait_buffers.get(bucket.index)
-        if buf is None or buf.numel() != numel or buf.dtype != first.dtype or buf.device != first.device:
-            buf = self._plait_buffers[bucket.index] = torch.empty(numel, dtype=first.dtype,
-                                                                  device=first.device)
+        if first.device.type == "cpu":
+            raw = self._plait_pool.empty((numel * first.element_size(),), np.dtype(np.uint8))
+            buf = torch.from_numpy(raw).view(first.dtype)
+        else:
+            buf = torch.empty(numel, dtype=first.dtype, device=first.device)
         if len(grads) == 1:
             buf.copy_(grads[0])
         else:
@@ -90,7 +95,6 @@ class _Distributed:
                 return torch.zeros_like(p)
             return p.grad.to_dense() if p.grad.is_sparse else p.grad
 
-        buffers = self._plait_buffers
         scale = self._plait_predivide
         plain = self._plait_reducer.plain
         with torch.no_grad():
@@ -102,11 +106,9 @@ class _Distributed:
                 else:
                     parts = list(torch.split(fused.reshape(-1), [s.numel for s in specs]))
                 ps = [params[spec.name] for spec in specs]
-                # a view is safe when the result of a plain allreduce is a tensor of its
-                # own (not one of our buffers, which the next step overwrites); one bucket
-                # holds one dtype
-                if (plain and fused.dtype == ps[0].dtype and fused.device == ps[0].device
-                        and not any(fused.data_ptr() == b.data_ptr() for b in buffers.values())):
+                # a plain allreduce's result is a tensor nobody else uses (the bucket's
+                # fused buffer, or a new one): .grad can view it; one bucket, one dtype
+                if plain and fused.dtype == ps[0].dtype and fused.device == ps[0].device:
                     for p, part, spec in zip(ps, parts, specs):
                         p.grad = part.view(spec.shape)
                     continue
@@ -197,10 +199,10 @@ def distributed_optimizer(
     cls: Any = type(type(optimizer).__name__, (_Distributed, type(optimizer)), {})
     dist: Any = cls.__new__(cls)
     dist.__dict__.update(optimizer.__dict__)
-    dist._plait_buffers = {}
+    dist._plait_pool = BufferPool()
     dist._plait_reducer = GradientReducer(comm, specs, op=op, bucket_mb=bucket_mb,
                                           compression=compression, memory=memory, prefix="grad",
-                                          fuse=dist._plait_fuse, check_once=True)
+                                          fuse=dist._plait_fuse, donate=True, check_once=True)
     dist._plait_params = dict(named)
     dist._plait_counts = {n: 0 for n, _ in named}
     dist._plait_zeros = dict(dist._plait_counts)

@@ -471,7 +471,9 @@ class MPICommunicator(CommunicatorBase):
         return "mpi"
 
     # -- collectives -----------------------------------------------------------------------------
-    def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Handle:
+    def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None, *,
+                        donate: bool = False) -> Handle:
+        # ``donate`` is not needed here: outputs come from the pool, without page faults
         return self._allreduce(tensor, op, name, sync=False)
 
     def allreduce(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Tensor:

@@ -35,13 +35,14 @@ class BufferPool:
     """Output buffers, reused once nobody holds them.
 
     Args:
-        min_bytes: smaller buffers are allocated anew each time.
+        min_bytes: smaller buffers are allocated anew each time (default :data:`MIN_BYTES`).
         max_bytes: the most bytes the pool refers to; the oldest buffers are
             forgotten beyond it (freed when nobody else holds them).
     """
 
-    def __init__(self, min_bytes: int = MIN_BYTES, max_bytes: int = MAX_BYTES) -> None:
-        self.min_bytes, self.max_bytes = min_bytes, max_bytes
+    def __init__(self, min_bytes: int | None = None, max_bytes: int = MAX_BYTES) -> None:
+        self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
+        self.max_bytes = max_bytes
         self._by_size: OrderedDict[int, list[np.ndarray]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()  # two threads must not take the same free buffer

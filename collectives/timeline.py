@@ -378,9 +378,10 @@ class ObservedCommunicator:
         return _TracedHandle(handle, op)
 
     # -- collectives -----------------------------------------------------------------------
-    def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Handle:
+    def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None, *,
+                        donate: bool = False) -> Handle:
         rec = self._begin("allreduce", tensor, name, op=op)
-        return self._async(rec, lambda: self._inner.allreduce_async(tensor, op, name))
+        return self._async(rec, lambda: self._inner.allreduce_async(tensor, op, name, donate=donate))
 
     def allreduce(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Tensor:
         return self.allreduce_async(tensor, op, name).wait()

@@ -44,7 +44,7 @@ TRAINED: list = []  # the last distributed optimizer of train()
 
 
 def train(comm, steps: int, batch: int, passes: int, bucket_mb: float | None, make_opt,
-          distributed: bool):
+          distributed: bool, set_to_none: bool = True):
     x, y = digits()
     m = model()
     opt = make_opt(m.parameters())
@@ -61,7 +61,7 @@ def train(comm, steps: int, batch: int, passes: int, bucket_mb: float | None, ma
                 xb, yb = xb[comm.rank :: comm.size], yb[comm.rank :: comm.size]
             loss_fn(m(xb), yb).backward()
         opt.step()
-        opt.zero_grad()
+        opt.zero_grad(set_to_none=set_to_none)
         if distributed:
             identical_on_all_ranks(comm, m)
     return m
@@ -87,6 +87,34 @@ def test_matches_serial_training(comm, opt, bucket_mb, passes, monkeypatch):
         reducer = TRAINED[0]._plait_reducer
         assert reducer.tuner.choice in (0.0, 0.004, 25.0) and len(reducer._tried) == 3
     serial = train(comm, 12, batch, passes, bucket_mb, OPTIMIZERS[opt], distributed=False)
+    torch.testing.assert_close(flat(dist), flat(serial), rtol=0, atol=1e-6)
+
+
+def test_gradients_kept_between_steps_never_see_the_next_bucket(comm, monkeypatch):
+    """.grad is a view of the reduced bucket, whose buffer is reused by a later step only once
+    nothing refers to it: a gradient the script kept is never overwritten, and
+    zero_grad(set_to_none=False) (every .grad zeroed and accumulated into in place) still
+    trains as the serial run does, with two fused buffers per bucket alternating."""
+    monkeypatch.setattr("plait.collectives.pool.MIN_BYTES", 0)  # pool this small model's buckets
+    x, y = digits()
+    m = model()
+    opt = distributed_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), comm, m.named_parameters(),
+                                bucket_mb=25.0)
+    kept, values = [], []
+    for step in range(3):
+        part = slice(step * 20 + comm.rank * 10, step * 20 + comm.rank * 10 + 10)
+        torch.nn.CrossEntropyLoss()(m(x[part]), y[part]).backward()
+        opt.step()
+        kept.append([p.grad for p in m.parameters()])  # references, not copies
+        values.append([g.clone() for g in kept[-1]])
+        opt.zero_grad()
+    for got, want in zip(kept, values):
+        assert all(torch.equal(g, w) for g, w in zip(got, want)), "a kept gradient was overwritten"
+    batch = 12 * comm.size
+    dist = train(comm, 6, batch, 1, 25.0, OPTIMIZERS["sgd"], distributed=True, set_to_none=False)
+    pooled = TRAINED[0]._plait_pool._by_size
+    assert pooled and all(len(bufs) <= 2 for bufs in pooled.values()), pooled
+    serial = train(comm, 6, batch, 1, 25.0, OPTIMIZERS["sgd"], distributed=False, set_to_none=False)
     torch.testing.assert_close(flat(dist), flat(serial), rtol=0, atol=1e-6)
 
 
