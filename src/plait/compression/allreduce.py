@@ -136,8 +136,4 @@ def exchange_payload(
         table = np.tile(np.array(mine, dtype=np.int64), (comm.size, 1))
     handles = [comm.allgather_async(p, name=f"{name}.{i}") for i, p in enumerate(payload)]
     gathered = [h.wait() for h in handles]
-    parts = [
-        ops_for(g).split(g, [int(n) for n in table[:, i]]) for i, g in enumerate(gathered)
-    ]
-    decoded = [compressor.decompress([part[r] for part in parts], ctx) for r in range(comm.size)]
-    return compressor.combine(decoded, average), sent
+    return compressor.decode_gathered(gathered, table, ctx, average), sent

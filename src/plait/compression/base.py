@@ -148,6 +148,23 @@ class Compressor(ABC):
             A tensor of the original shape and dtype.
         """
 
+    def decode_gathered(self, gathered: Sequence[Tensor], counts: Any, ctx: Any,
+                        average: bool) -> Tensor:
+        """Decode the reduction of every rank's payload from their allgather (allgather path).
+
+        Args:
+            gathered: payload entry ``i`` of every rank, concatenated in rank order.
+            counts: ``counts[r][i]``: rows of entry ``i`` that rank ``r`` sent.
+            ctx: this rank's context.
+            average: divide the sum by the number of ranks.
+
+        Returns:
+            The reduced tensor; the default decodes each rank's payload and combines them (:meth:`combine`).
+        """
+        parts = [ops_for(g).split(g, [int(row[i]) for row in counts]) for i, g in enumerate(gathered)]
+        decoded = [self.decompress([part[r] for part in parts], ctx) for r in range(len(counts))]
+        return self.combine(decoded, average)
+
     def combine(self, decoded: Sequence[Tensor], average: bool) -> Tensor:
         """Merge the decoded tensors of all ranks (allgather path).
 

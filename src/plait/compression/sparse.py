@@ -39,7 +39,18 @@ def _dense(ops: TensorOps, values: Tensor, indices: Tensor, ctx: Context) -> Ten
     return restore(ops, ops.scatter(ops.cast(indices, "int64"), values, ctx.numel), ctx)
 
 
-class TopK(Compressor):
+class _Positional(Compressor):
+    """A payload of ``[values, positions]``: every rank's, concatenated, is scattered
+    into one dense tensor (duplicate positions add up, in rank order)."""
+
+    def decode_gathered(self, gathered: Sequence[Tensor], counts: Any, ctx: Any,
+                        average: bool) -> Tensor:
+        ops = ops_for(gathered[0])
+        total = ops.scatter(ops.cast(gathered[1], "int64"), gathered[0], ctx.numel)
+        return restore(ops, total / len(counts) if average else total, ctx)
+
+
+class TopK(_Positional):
     """Send the ``ratio`` fraction of elements with the largest magnitudes.
 
     Payload: ``[values, positions]``; decoded into a dense tensor with zeros elsewhere.
@@ -132,7 +143,7 @@ class RandomK(Compressor):
         return _dense(ops_for(payload[0]), payload[0], ctx.extra, ctx)
 
 
-class Threshold(Compressor):
+class Threshold(_Positional):
     """Send every element whose magnitude is above ``tau`` (a varying count).
 
     Args:
