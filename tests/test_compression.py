@@ -132,6 +132,30 @@ def test_topk_keeps_exactly_the_k_largest_magnitudes(fw):
     np.testing.assert_array_equal(out.ravel()[largest], x.ravel()[largest])
 
 
+@pytest.mark.parametrize("shape", ["gauss", "block", "ties"])
+def test_large_torch_topk_selects_what_a_full_selection_selects(shape):
+    """Above 64K elements the torch adapter selects among the elements that pass a sampled
+    threshold; the result is still the exact top k, and the user's RNG does not move."""
+    torch = pytest.importorskip("torch")
+    from plait.adapters.torch import OPS
+
+    gen = torch.Generator().manual_seed(1)
+    n, k = 400_000, 4_000
+    if shape == "gauss":
+        x = torch.randn(n, generator=gen).abs()
+    elif shape == "block":  # the large values all in one place: a sample may miss them
+        x = torch.rand(n, generator=gen) * 1e-3
+        x[:5_000] += 1.0
+    else:  # many equal magnitudes: any k of the largest are a valid answer
+        x = torch.randint(0, 50, (n,), generator=gen).to(torch.float32)
+    state = torch.get_rng_state()
+    values, idx = OPS.topk(x, k)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert idx.numel() == k and idx.unique().numel() == k and torch.equal(x[idx], values)
+    full = torch.topk(x, k).values
+    assert torch.equal(values.sort().values, full.sort().values)
+
+
 @pytest.mark.parametrize("fw", FRAMEWORKS)
 def test_threshold_sends_what_is_above_tau(fw):
     x = np.array([0.1, -2.0, 0.5, 0.7, -0.6, 0.0], dtype=np.float32)
