@@ -25,6 +25,16 @@ _TO_NAME = {
 _FROM_NAME = {v: k for k, v in _TO_NAME.items()}
 
 
+_HALF = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+_HOST_OPS: dict[str, Callable[..., Any]] = {"sum": torch.add, "average": torch.add, "min": torch.minimum,
+                                            "max": torch.maximum, "product": torch.mul}
+
+
+def _as_half(a: np.ndarray, half: torch.dtype) -> torch.Tensor:
+    """A 16-bit host buffer (float16, or bfloat16 bit patterns) as a torch tensor, no copy."""
+    return torch.from_numpy(a.view(np.int16)).view(half)
+
+
 #: Below this many elements ``torch.topk`` is fast enough; above, a few k out of many
 #: elements are found by sampling first (see :func:`_sampled_topk`).
 _SAMPLED_MIN = 1 << 16
@@ -134,6 +144,36 @@ class TorchOps:
             return found
         values, indices = torch.topk(flat, k, sorted=False)
         return values, indices
+
+    def host_reduce(self, op: str, dtype: str) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None:
+        """``fn(out, a, b)``: ``out = a (op) b`` on numpy host buffers of a 16-bit float
+        ``dtype`` (bfloat16 as its bit patterns) with torch's vectorised kernels, for the
+        MPI backend's ring (numpy's float16 arithmetic converts element by element: 20x
+        slower here); None for other dtypes, where numpy is as fast.
+
+        Args:
+            op: "sum" (also for "average"), "min", "max" or "product".
+            dtype: the buffers' plait dtype name.
+        """
+        fn = _HOST_OPS.get(op)
+        half = _HALF.get(dtype)
+        if fn is None or half is None:
+            return None
+
+        def reduce(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+            fn(_as_half(a, half), _as_half(b, half), out=_as_half(out, half))
+        return reduce
+
+    def host_divide(self, dtype: str) -> Callable[[np.ndarray, int], None] | None:
+        """``fn(out, n)``: ``out /= n`` in place on a numpy host buffer of a 16-bit float
+        ``dtype`` (see :meth:`host_reduce`); None for other dtypes."""
+        half = _HALF.get(dtype)
+        if half is None:
+            return None
+
+        def divide(out: np.ndarray, n: int) -> None:
+            _as_half(out, half).div_(n)
+        return divide
 
     def _generator(self) -> torch.Generator:
         """This adapter's own random stream (sampling must not move the user's RNG)."""

@@ -441,7 +441,12 @@ class MPICommunicator(CommunicatorBase):
 
         return Pending(test, wait, finish, keep)
 
-    def _average(self, out: np.ndarray, dtype: str) -> np.ndarray:
+    def _average(self, out: np.ndarray, dtype: str, kernels: Any = None) -> np.ndarray:
+        fast = getattr(kernels, "host_divide", None)
+        divide = fast(dtype) if fast is not None else None
+        if divide is not None:  # 16-bit floats with the framework's kernel (see combiner)
+            divide(out, self.size)
+            return out
         if dtype == "bfloat16":
             return f32_to_bf16(bf16_to_f32(out) / self.size)
         if floating(dtype):
@@ -449,8 +454,8 @@ class MPICommunicator(CommunicatorBase):
             return out
         return np.trunc(out / self.size).astype(out.dtype)
 
-    def _reduced(self, out: np.ndarray, op: str, dtype: str) -> np.ndarray:
-        return self._average(out, dtype) if op == "average" else out
+    def _reduced(self, out: np.ndarray, op: str, dtype: str, kernels: Any = None) -> np.ndarray:
+        return self._average(out, dtype, kernels) if op == "average" else out
 
     def algorithm(self, kind: str, nbytes: int, dtype: str) -> str:
         """How this communicator moves a collective of ``kind`` on ``nbytes`` of ``dtype``:
@@ -491,15 +496,15 @@ class MPICommunicator(CommunicatorBase):
         buf = ops.to_numpy(tensor)
         call = Call("allreduce", buf.shape, dtype, op=op, name=name)
         if self.size == 1:
-            return Done(ops.from_numpy(self._reduced(buf.copy(), op, dtype), tensor))
+            return Done(ops.from_numpy(self._reduced(buf.copy(), op, dtype, ops), tensor))
         if buf.nbytes <= SLOT:  # one round: every rank's tensor travels in the header
             rows = self._header(call, 0, _flat_bytes(buf))
             parts = np.ascontiguousarray(rows[:, _HEAD : _HEAD + buf.nbytes]).view(buf.dtype)
             out = parts[0].copy()
-            combine = combiner(dtype, op)
+            combine = combiner(dtype, op, ops)
             for r in range(1, self.size):
                 combine(out, out, parts[r])
-            return Done(ops.from_numpy(self._reduced(out.reshape(buf.shape), op, dtype), tensor))
+            return Done(ops.from_numpy(self._reduced(out.reshape(buf.shape), op, dtype, ops), tensor))
         algorithm = self.tuning.reduce_algorithm(buf.nbytes, dtype, self.cross_size,
                                                  self.local_size if self._local else 1)
         blocking = sync and algorithm == "mpi" and self.tuning.blocks(self.cross_size)
@@ -509,12 +514,12 @@ class MPICommunicator(CommunicatorBase):
             self._verify(call)
 
         def finish() -> Tensor:
-            return ops.from_numpy(self._reduced(out.reshape(buf.shape), op, dtype), tensor)
+            return ops.from_numpy(self._reduced(out.reshape(buf.shape), op, dtype, ops), tensor)
 
         what = call.describe()
         if algorithm != "mpi":
             out = self._pool.empty((buf.size,), buf.dtype)
-            combine = combiner(dtype, op)
+            combine = combiner(dtype, op, ops)
             engine: Ring | Chain
             if algorithm == "hierarchical":
                 engine = self._hierarchical(out, buf.reshape(-1), combine)
@@ -655,16 +660,16 @@ class MPICommunicator(CommunicatorBase):
 
             def mine() -> Tensor:
                 part = flat[start : start + rows[self.rank] * row].reshape(shape)
-                return ops.from_numpy(self._reduced(part, op, dtype), tensor)
+                return ops.from_numpy(self._reduced(part, op, dtype, ops), tensor)
 
-            ring = self._ring(flat, [r * row for r in rows], "reducescatter", combiner(dtype, op),
+            ring = self._ring(flat, [r * row for r in rows], "reducescatter", combiner(dtype, op, ops),
                               buf.reshape(-1))
             return self._start(ring, mine, (buf, tensor), call.describe())
         out = self._pool.empty(shape, buf.dtype)
         mpi_op = _BOOL[op] if dtype == "bool" else _BUILTIN[op]
         req = self.comm.Ireduce_scatter([buf, _MPI_TYPES[dtype]], [out, _MPI_TYPES[dtype]],
                                         [r * row for r in rows], mpi_op)
-        return self._request(req, lambda: ops.from_numpy(self._reduced(out, op, dtype), tensor),
+        return self._request(req, lambda: ops.from_numpy(self._reduced(out, op, dtype, ops), tensor),
                              (buf, tensor), call.describe())
 
     def reducescatter(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Tensor:
