@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-
 from plait.adapters.numpy import bf16_to_f32, f32_to_bf16
 from plait.collectives.ring import combiner
 
