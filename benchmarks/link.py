@@ -21,7 +21,7 @@ ideal, so it can exceed 1. Median (min-max) over repeats, each the slowest rank'
 mean over back-to-back calls.
 
 Needs root (network namespaces). Run:
-``python benchmarks/link.py [--quick] [--rates 1gbit,10gbit] [--slots 1,2]``.
+``python benchmarks/link.py [--quick] [--rates 1gbit,10gbit] [--slots 1,2] [--kinds allreduce,...]``.
 """
 
 from __future__ import annotations
@@ -142,7 +142,7 @@ def worker(args: Any) -> int:
     world = MPI.COMM_WORLD
     impls = _setup(world)
     sizes = SMOKE_SIZES if args.smoke else QUICK_SIZES if args.quick else FULL_SIZES
-    kinds = SMOKE_KINDS if args.smoke else KINDS
+    kinds = SMOKE_KINDS if args.smoke else args.kinds.split(",")
     repeats = 2 if args.smoke else 3 if args.quick else 5
     cells = [(k, s) for k in kinds for s in sizes if s <= _MAX.get(k, s)]
     samples = np.zeros((len(IMPLS), len(cells), repeats))
@@ -214,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     def extra(p: Any) -> None:
         p.add_argument("--rates", default="1gbit", help="comma-separated tc rates (default 1gbit)")
         p.add_argument("--slots", default="1", help="ranks per host, comma-separated (default 1)")
+        p.add_argument("--kinds", default=",".join(KINDS), help="collectives, comma-separated")
 
     args = parse_args(__doc__.splitlines()[0], argv, extra)
     if args.worker:
@@ -232,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                        "--timeout", str(int(args.timeout)), "-x", "PATH", "-x", "PYTHONPATH",
                        "-x", "OMPI_MCA_mpi_yield_when_idle",
                        sys.executable, str(Path(__file__).resolve()), "--worker", "1",
-                       "--out", out, *(["--quick"] if args.quick else []),
+                       "--out", out, "--kinds", args.kinds, *(["--quick"] if args.quick else []),
                        *(["--smoke"] if args.smoke else [])]
                 env = dict(os.environ, OMPI_MCA_mpi_yield_when_idle="1", PYTHONUNBUFFERED="1",
                            PYTHONPATH=str(Path(__file__).resolve().parent.parent))
