@@ -31,12 +31,14 @@ fp16 only); a backend without it is left out of the table with a note.
 Each rank computes with one thread (2 ranks share 2 cores here). The report gives
 plait's ratio to real Horovod and to DDP, measured in the same run.
 
-Run: ``python benchmarks/synthetic.py [--quick] [--model resnet,transformer] [--backend ...]``;
+Run: ``python benchmarks/synthetic.py [--quick] [--model resnet,transformer] [--backend ...]
+[--rate 1gbit]`` (``--rate``: across 2 emulated hosts on a link of that rate, as root);
 one backend by hand: ``mpirun -np 2 python benchmarks/synthetic.py --worker plait-mpi``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -154,7 +156,8 @@ class _Setup:
 
             rank, size = int(os.environ["OMPI_COMM_WORLD_RANK"]), int(os.environ["OMPI_COMM_WORLD_SIZE"])
             port = os.environ.get("SYNTH_PORT", "29500")
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+            master = os.environ.get("SYNTH_MASTER", "127.0.0.1")
+            dist.init_process_group("gloo", init_method=f"tcp://{master}:{port}", rank=rank,
                                     world_size=size)
             self.hvd = None
         self.rank = self.hvd.rank() if self.hvd else torch.distributed.get_rank()
@@ -292,7 +295,7 @@ def rows_of(parts: dict[str, dict[str, Any]], args: Any) -> tuple[list[dict[str,
 def markdown(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], m: dict[str, Any],
              skipped: list[str]) -> str:
     out = [f"## Synthetic benchmark, {m['np']} ranks, batch {m['batch_size']} per rank, "
-           f"compression {m['compression']}\n\n",
+           f"compression {m['compression']}, {m.get('link', 'shared memory (one host)')}\n\n",
            f"{m['machine'].get('cores')} cores; load before {m['load_before']}, after "
            f"{m['load_after']}. img/s per rank: mean and 95% confidence interval over "
            f"{m['num_iters']} iterations x {m['rounds']} rounds of {m['num_batches_per_iter']} "
@@ -339,6 +342,29 @@ def _extra(p: Any) -> None:
     p.add_argument("--fp16-allreduce", action="store_true", help="same as --compression fp16")
     p.add_argument("--compression", default="none", help=f"one of {list(COMPRESSIONS)}")
     p.add_argument("--horovodrun", action="store_true", help="launch real Horovod with horovodrun")
+    p.add_argument("--rate", default="",
+                   help="run across 2 emulated hosts joined by a link of this tc rate (e.g. 1gbit; "
+                        "needs root), --np / 2 ranks on each")
+
+
+def _launch_hosts(hosts: Any, args: Any, backend: str, forward: list[str]) -> int:
+    """One job of ``backend`` across the emulated ``hosts``, started from the first one."""
+    env = mpi_env({"PYTHONPATH": str(Path(__file__).resolve().parent.parent), "SYNTH_DRIVER": "1",
+                   "SYNTH_PORT": "29631", "SYNTH_MASTER": hosts.address(hosts.hosts[0]),
+                   "GLOO_SOCKET_IFNAME": "eth0"})
+    env["PATH"] = f"{hosts.bin_dir}:{env['PATH']}"
+    passed = ["PATH", "PYTHONPATH", "SYNTH_DRIVER", "SYNTH_PORT", "SYNTH_MASTER", "GLOO_SOCKET_IFNAME",
+              "OMPI_MCA_mpi_yield_when_idle", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL"]
+    argv = ["mpirun", "--allow-run-as-root", "-np", str(args.np), "--hostfile", hosts.hostfile,
+            *hosts.mpirun_args(), "--timeout", str(max(30, int(args.timeout) - 15)), "--bind-to", "none",
+            *[a for v in passed for a in ("-x", v)],
+            sys.executable, str(Path(__file__).resolve()), "--worker", backend, "--out", args.out,
+            *(["--quick"] if args.quick else []), *(["--smoke"] if args.smoke else []), *forward]
+    proc = hosts.exec(hosts.hosts[0], argv, timeout=args.timeout, env=env)
+    sys.stdout.write(proc.stdout)
+    if proc.returncode:
+        sys.stderr.write(proc.stderr[-4000:])
+    return proc.returncode
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -373,18 +399,32 @@ def main(argv: list[str] | None = None) -> int:
     for b in backends:
         Path(f"{args.out}.{b}.part.json").unlink(missing_ok=True)
     load_before = load_note()
-    for rnd in range(args.rounds):
-        for b in backends:
-            print(f"synthetic: round {rnd + 1}/{args.rounds}: {b} on {args.np} ranks ({load_note()})",
-                  flush=True)
-            if b == "horovod" and args.horovodrun:
-                rc = _launch_horovodrun(args, forward)
-            else:
-                rc = launch(__file__, args, worker=b, forward=forward,
-                            env={"SYNTH_PORT": str(free_port()), "SYNTH_DRIVER": "1"})
-            if rc != 0:
-                print(f"synthetic: the {b} job failed (exit status {rc})", file=sys.stderr)
-                return rc or 1
+    with contextlib.ExitStack() as stack:
+        hosts = None
+        if args.rate:
+            from plait.testing.netns import EmulatedHosts
+
+            if args.np % 2:
+                print(f"synthetic: --rate needs an even --np (ranks on 2 hosts), got {args.np}",
+                      file=sys.stderr)
+                return 2
+            hosts = stack.enter_context(EmulatedHosts(2, subnet="10.78.0", rate=args.rate,
+                                                      slots=args.np // 2))
+        for rnd in range(args.rounds):
+            for b in backends:
+                where = f" across 2 hosts at {args.rate}" if args.rate else ""
+                print(f"synthetic: round {rnd + 1}/{args.rounds}: {b} on {args.np} ranks{where} "
+                      f"({load_note()})", flush=True)
+                if hosts is not None:
+                    rc = _launch_hosts(hosts, args, b, forward)
+                elif b == "horovod" and args.horovodrun:
+                    rc = _launch_horovodrun(args, forward)
+                else:
+                    rc = launch(__file__, args, worker=b, forward=forward,
+                                env={"SYNTH_PORT": str(free_port()), "SYNTH_DRIVER": "1"})
+                if rc != 0:
+                    print(f"synthetic: the {b} job failed (exit status {rc})", file=sys.stderr)
+                    return rc or 1
     parts = {}
     for b in backends:
         part = Path(f"{args.out}.{b}.part.json")
@@ -397,6 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     m = meta(quick=args.quick, smoke=args.smoke, np=args.np, batch_size=args.batch_size,
              num_warmup_batches=args.num_warmup_batches, num_batches_per_iter=args.num_batches_per_iter,
              num_iters=args.num_iters, rounds=args.rounds, compression=args.compression,
+             link=f"2 emulated hosts at {args.rate}" if args.rate else "shared memory (one host)",
              load_before=load_before, load_after=load_note(), versions=vers)
     write_results(args.out, "synthetic", rows, markdown(rows, ratios, m, skipped), m, ratios=ratios,
                   skipped=skipped)
