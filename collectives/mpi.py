@@ -81,9 +81,12 @@ def _flat_bytes(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a).reshape(-1).view(np.uint8)
 
 
+#: The largest tag. MPI defines the attribute on MPI_COMM_WORLD only (a split
+#: communicator has none) and the bound holds on every communicator.
+_TAG_UB = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
 #: Tags of the "who is waiting?" exchange after a timeout (the top of the tag range,
 #: which user point-to-point messages are unlikely to use).
-_ASK_TAG = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
+_ASK_TAG = _TAG_UB
 _ANSWER_TAG = _ASK_TAG - 1
 #: How long a timed-out rank listens for the others' answers at most (and at least
 #: :data:`_ASK_MIN_S`; a tenth of the timeout in between: the question adds at most 10 %).
@@ -149,8 +152,11 @@ class MPICommunicator(CommunicatorBase):
         self.size = self.comm.Get_size()
         self.tuning = Tuning.from_env() if tuning is None else tuning
         self._ring_comm = self.comm.Dup()  # ring messages never meet user send/recv
-        ub = int(self._ring_comm.Get_attr(MPI.TAG_UB) or 32767)
-        self._tag_slots = max(1, ub // _MAX_CHUNKS)
+        # the tag ranges of successive rings; a split communicator used to fall back to
+        # 7 ranges (32767 // 4096), so a DP step with more buckets in flight reused tags
+        # of rings still running: messages crossed between buckets (MPI_ERR_TRUNCATE or
+        # corrupted memory, measured across hosts)
+        self._tag_slots = max(1, _TAG_UB // _MAX_CHUNKS)
         # collectives in flight, in start order, driven under the lock by the progress
         # thread and by waiters
         self._rings: list[Ring | Chain | Exchange | Relay | _Request] = []

@@ -129,6 +129,20 @@ def test_many_in_flight_waited_in_reverse_order(comm):
         np.testing.assert_array_equal(handles[k].wait(), np.full(xs[k].size, want, np.float32))
 
 
+def test_many_in_flight_on_a_split_communicator(comm):
+    """A communicator made by split (the gradient reducer's private one) gets as many tag
+    ranges for its rings as the world: MPI defines TAG_UB on MPI_COMM_WORLD only, and the
+    fallback of 7 ranges let a training step with more buckets in flight reuse the tags of
+    rings still running (measured across hosts: MPI_ERR_TRUNCATE, or corrupted memory)."""
+    sub = comm.split(0, comm.rank)
+    assert sub._tag_slots == comm._tag_slots >= 64
+    xs = [np.full(3000 + 131 * k, comm.rank + k, dtype=np.float32) for k in range(24)]
+    handles = [sub.allreduce_async(x, op="sum", name=f"split.{k}") for k, x in enumerate(xs)]
+    for k in range(24):
+        want = sum(r + k for r in range(comm.size))
+        np.testing.assert_array_equal(handles[k].wait(), np.full(xs[k].size, want, np.float32))
+
+
 def test_small_messages_travel_in_the_header(comm):
     """A tensor of up to SLOT bytes is reduced in one round on any algorithm."""
     for n in [SLOT // 4, SLOT // 4 + 1]:
