@@ -10,6 +10,11 @@ changes on the machine hit all of them alike):
 * ``horovod``: raw ``horovod.torch.allreduce``;
 * ``gloo``: ``torch.distributed.all_reduce`` on the gloo backend.
 
+Two jobs, each interleaving its implementations: the MPI one (plait-mpi, with and
+without the check, and mpi4py) imports neither Horovod nor gloo, whose background
+threads poll all the time and, on 2 cores, slowed raw ``MPI_Allreduce`` in the same
+process up to 25x; the other runs the Horovod and gloo rows.
+
 Float32 torch tensors, op sum. Latency of a sample = the mean over back-to-back
 calls (as many as fill about 20 ms, 50 ms in the full run), the slowest rank's;
 bus bandwidth = bytes * 2(n-1)/n / latency (the nccl-tests convention). Reported: min/median/max over repeats.
@@ -19,6 +24,7 @@ Run: ``python benchmarks/allreduce.py [--quick] [--out BASE]``.
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,6 +45,8 @@ from _common import (
 
 IMPLS = ["plait-mpi", "plait-mpi-nocheck", "mpi4py", "plait-horovod", "plait-horovod-nocheck",
          "horovod", "gloo"]
+#: The two jobs: ``--worker NAME`` runs these implementations.
+JOBS = {"mpi": IMPLS[:3], "horovod": IMPLS[3:]}
 #: plait implementation -> the raw backend it wraps
 WRAPS = {"plait-mpi": "mpi4py", "plait-mpi-nocheck": "mpi4py", "plait-horovod": "horovod",
          "plait-horovod-nocheck": "horovod"}
@@ -56,20 +64,32 @@ def iterations(seconds_per_call: float, quick: bool, smoke: bool) -> int:
     return int(min(5000, max(2, target / max(seconds_per_call, 1e-7))))
 
 
-def _setup(world: Any) -> dict[str, Any]:
-    """Every implementation as a callable ``fn(tensor) -> None``."""
-    import horovod.torch as hvd
-    import torch.distributed as dist
+def _setup(world: Any, job: str) -> dict[str, Any]:
+    """The implementations of ``job`` (see :data:`JOBS`) as callables ``fn(tensor) -> None``."""
     from mpi4py import MPI
-    from plait.collectives.horovod import HorovodCommunicator
+
+    def plait_with(comm: Any, check: bool) -> Any:
+        def fn(t: Any) -> None:
+            comm.check = check
+            comm.allreduce(t, op="sum", name="bench")
+        return fn
+
+    if job == "horovod":
+        import horovod.torch as hvd
+        import torch.distributed as dist
+        from plait.collectives.horovod import HorovodCommunicator
+
+        ph = HorovodCommunicator("torch")
+        port = world.bcast(free_port() if world.rank == 0 else None, root=0)
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank,
+                                world_size=world.size)
+        return {"plait-horovod": plait_with(ph, True), "plait-horovod-nocheck": plait_with(ph, False),
+                "horovod": lambda t: hvd.allreduce(t, op=hvd.Sum, name="bench.raw"),
+                "gloo": lambda t: dist.all_reduce(t)}
     from plait.collectives.mpi import MPICommunicator
 
     pm = MPICommunicator(world.Dup())
-    ph = HorovodCommunicator("torch")
     raw = world.Dup()
-    port = world.bcast(free_port() if world.rank == 0 else None, root=0)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=world.rank,
-                            world_size=world.size)
     out_cache: dict[int, Any] = {}
 
     def mpi_raw(t: Any) -> None:
@@ -79,38 +99,29 @@ def _setup(world: Any) -> dict[str, Any]:
             out = out_cache[a.size] = a.copy()
         raw.Allreduce(a, out, MPI.SUM)
 
-    def plait_with(comm: Any, check: bool) -> Any:
-        def fn(t: Any) -> None:
-            comm.check = check
-            comm.allreduce(t, op="sum", name="bench")
-        return fn
-
-    return {
-        "plait-mpi": plait_with(pm, True), "plait-mpi-nocheck": plait_with(pm, False),
-        "mpi4py": mpi_raw,
-        "plait-horovod": plait_with(ph, True), "plait-horovod-nocheck": plait_with(ph, False),
-        "horovod": lambda t: hvd.allreduce(t, op=hvd.Sum, name="bench.raw"),
-        "gloo": lambda t: dist.all_reduce(t),
-    }
+    return {"plait-mpi": plait_with(pm, True), "plait-mpi-nocheck": plait_with(pm, False),
+            "mpi4py": mpi_raw}
 
 
 def worker(args: Any) -> int:
-    """Runs on every rank: measure every implementation at every size."""
+    """Runs on every rank: measure the implementations of job ``args.worker`` at every size;
+    rank 0 writes their samples to ``OUT.JOB.samples.json``."""
     import numpy as np
     import torch
     from mpi4py import MPI
 
     torch.set_num_threads(1)
     world = MPI.COMM_WORLD
-    impls = _setup(world)
+    names = JOBS[args.worker]
+    impls = _setup(world, args.worker)
     sizes = SMOKE_SIZES if args.smoke else QUICK_SIZES if args.quick else FULL_SIZES
     repeats = 2 if args.smoke else 3 if args.quick else 7
     sync = world.Barrier
-    samples = np.zeros((len(IMPLS), len(sizes), repeats))
+    samples = np.zeros((len(names), len(sizes), repeats))
     for si, nbytes in enumerate(sizes):
         t = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
-        per_call = np.zeros(len(IMPLS))
-        for ii, name in enumerate(IMPLS):  # warm up (connections, caches), then time a few calls
+        per_call = np.zeros(len(names))
+        for ii, name in enumerate(names):  # warm up (connections, caches), then time a few calls
             impls[name](t)
             sync()
             t0 = MPI.Wtime()
@@ -120,7 +131,7 @@ def worker(args: Any) -> int:
         world.Allreduce(MPI.IN_PLACE, per_call, MPI.MAX)  # every rank runs the same counts
         iters = [iterations(p, args.quick, args.smoke) for p in per_call]
         for r in range(repeats):
-            for ii, name in enumerate(IMPLS):
+            for ii, name in enumerate(names):
                 sync()
                 t0 = MPI.Wtime()
                 for _ in range(iters[ii]):
@@ -131,15 +142,13 @@ def worker(args: Any) -> int:
     slowest = np.empty_like(samples)
     world.Allreduce(samples, slowest, MPI.MAX)
     if world.rank == 0:
-        rows, ratios = _rows(slowest, sizes, world.size)
-        m = meta(quick=args.quick, smoke=args.smoke, np=world.size, repeats=repeats, dtype="float32",
-                 op="sum",
-                 versions=versions(), load_note=load_note())
-        write_results(args.out, "allreduce", rows, _markdown(rows, ratios, sizes, m), m,
-                      ratios=ratios)
-    import torch.distributed as dist
+        Path(f"{args.out}.{args.worker}.samples.json").write_text(json.dumps(
+            {"names": names, "sizes": sizes, "seconds": slowest.tolist(), "np": world.size,
+             "repeats": repeats, "load_note": load_note(), "versions": versions()}))
+    if args.worker == "horovod":
+        import torch.distributed as dist
 
-    dist.destroy_process_group()
+        dist.destroy_process_group()
     return 0
 
 
@@ -208,11 +217,30 @@ def _markdown(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], sizes: l
 
 
 def main(argv: list[str] | None = None) -> int:
+    import numpy as np
+
     args = parse_args(__doc__.splitlines()[0], argv)
     if args.worker:
         return worker(args)
     print(f"allreduce benchmark on {args.np} ranks{' (quick)' if args.quick else ''}", flush=True)
-    return launch(__file__, args)
+    parts = {}
+    for job in JOBS:
+        rc = launch(__file__, args, worker=job)
+        if rc != 0:
+            return rc
+        path = Path(f"{args.out}.{job}.samples.json")
+        parts[job] = json.loads(path.read_text())
+        path.unlink()
+    first = parts["mpi"]
+    sizes = first["sizes"]
+    samples = np.concatenate([np.array(parts[job]["seconds"]) for job in JOBS])
+    rows, ratios = _rows(samples, sizes, first["np"])
+    notes = "; ".join(f"{job} job: {parts[job]['load_note']}" for job in JOBS)
+    m = meta(quick=args.quick, smoke=args.smoke, np=first["np"], repeats=first["repeats"],
+             dtype="float32", op="sum", versions={**first["versions"], **parts["horovod"]["versions"]},
+             load_note=notes)
+    write_results(args.out, "allreduce", rows, _markdown(rows, ratios, sizes, m), m, ratios=ratios)
+    return 0
 
 
 if __name__ == "__main__":
