@@ -163,7 +163,9 @@ class MPICommunicator(CommunicatorBase):
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
-        self._waiters = 0  # threads in _wait_until (they drive; the progress thread rests)
+        # one token per wait in progress (they drive; the progress thread rests); a set, as
+        # add/discard are atomic where a shared counter's += is not
+        self._waiting: set[object] = set()
         self._pool = BufferPool()  # outputs, reused once nobody holds them
         self._watchdog = Watchdog(self._stuck, name=f"plait-watchdog-{self.rank}")
         self._ring_seq = 0
@@ -208,7 +210,7 @@ class MPICommunicator(CommunicatorBase):
         while True:
             self._wake.wait()
             while self._rings:
-                if not self._waiters:
+                if not self._waiting:
                     self._drive(block=False)
                 time.sleep(PROGRESS_S)
             self._wake.clear()
@@ -226,11 +228,12 @@ class MPICommunicator(CommunicatorBase):
         waiting (saying "collective #seq", or -1 outside a collective)."""
         if ready():
             return
-        self._waiters += 1
+        token = object()
+        self._waiting.add(token)
         try:
             self._wait_loop(ready, timed_out, seq)
         finally:
-            self._waiters -= 1
+            self._waiting.discard(token)
 
     def _wait_loop(self, ready: Callable[[], bool], timed_out: Callable[[], str], seq: int) -> None:
         now = time.monotonic()
