@@ -64,9 +64,9 @@ class _Distributed:
         return hook
 
     def _plait_fuse(self, bucket: Bucket) -> torch.Tensor:
-        """The bucket's gradients copied into a buffer that nothing else refers to, which
-        the reducer may reduce in place. On the CPU it comes from a pool: a buffer still
-        viewed by last step's ``.grad`` is not reused, and no step faults in fresh pages."""
+        """The bucket's gradients copied into one flat buffer. On the CPU it comes from a
+        pool (no step faults in fresh pages; a buffer something still refers to is not
+        reused)."""
         grads = [bucket.grads[s.name].reshape(-1) for s in bucket.specs]
         numel = sum(s.numel for s in bucket.specs)
         first = grads[0]
@@ -106,8 +106,8 @@ class _Distributed:
                 else:
                     parts = list(torch.split(fused.reshape(-1), [s.numel for s in specs]))
                 ps = [params[spec.name] for spec in specs]
-                # a plain allreduce's result is a tensor nobody else uses (the bucket's
-                # fused buffer, or a new one): .grad can view it; one bucket, one dtype
+                # a plain allreduce's result is a new tensor (never the fused buffer), and a
+                # pooled one is not reused while .grad views it; one bucket, one dtype
                 if plain and fused.dtype == ps[0].dtype and fused.device == ps[0].device:
                     for p, part, spec in zip(ps, parts, specs):
                         p.grad = part.view(spec.shape)
@@ -202,7 +202,7 @@ def distributed_optimizer(
     dist._plait_pool = BufferPool()
     dist._plait_reducer = GradientReducer(comm, specs, op=op, bucket_mb=bucket_mb,
                                           compression=compression, memory=memory, prefix="grad",
-                                          fuse=dist._plait_fuse, donate=True, check_once=True)
+                                          fuse=dist._plait_fuse, check_once=True)
     dist._plait_params = dict(named)
     dist._plait_counts = {n: 0 for n, _ in named}
     dist._plait_zeros = dict(dist._plait_counts)

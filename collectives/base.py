@@ -160,17 +160,7 @@ class CommunicatorBase:
         return Done(ops.host_call(ordered(self, sync), [tensor], tensor, same_shape=same_shape))
 
     # -- async operations (backends) -------------------------------------------------------
-    def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None, *,
-                        donate: bool = False) -> Handle:
-        """Start reducing ``tensor`` over all ranks; ``wait()`` gives the result.
-
-        Args:
-            tensor: this rank's tensor.
-            op: the reduction (see :data:`~plait.protocols.REDUCE_OPS`).
-            name: names the collective (in errors and the timeline).
-            donate: the caller will not use ``tensor`` again, so a backend may
-                reduce into it (the result may then be ``tensor`` itself).
-        """
+    def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Handle:
         raise NotImplementedError
 
     def allgather_async(self, tensor: Tensor, name: str | None = None) -> Handle:

@@ -259,7 +259,7 @@ class HorovodCommunicator(CommunicatorBase):
         checked once when the graph is built.
 
         Args:
-            fn: the library function's name (``allreduce_``: in place).
+            fn: the library function's name.
             call: what this rank calls (named if the wait times out).
             finish: turns the library's result into the caller's.
             *args: the library function's positional arguments.
@@ -275,8 +275,7 @@ class HorovodCommunicator(CommunicatorBase):
         checked = self._check_async(call)
         what = f"{call.describe()} (Horovod op {kwargs.get('name')!r})"
         if self.framework == "torch":
-            started = getattr(hvd, f"{fn[:-1]}_async_" if fn.endswith("_") else f"{fn}_async")(
-                *args, **kwargs)
+            started = getattr(hvd, f"{fn}_async")(*args, **kwargs)
             result: list[Any] = []
 
             def wait_torch() -> None:
@@ -450,8 +449,7 @@ class HorovodCommunicator(CommunicatorBase):
         return int(ranks[root]) if ranks else int(root)
 
     # -- collectives ---------------------------------------------------------------------
-    def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None, *,
-                        donate: bool = False) -> Handle:
+    def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Handle:
         ops = self._ops(tensor, "allreduce")
         dtype = ops.dtype_name(tensor)
         self._validate_op(op, dtype)
@@ -463,10 +461,7 @@ class HorovodCommunicator(CommunicatorBase):
             carry = "float32"
         hop = self._ops_map[_BOOL_OPS[op] if dtype == "bool" else op]
         t = self._native(ops, tensor, carry)
-        # a donated torch tensor is reduced in place (Horovod's allreduce_async_): its output
-        # would otherwise be a fresh tensor whose pages fault in on every call
-        fn = "allreduce_" if donate and t is tensor and self.framework == "torch" else "allreduce"
-        return self._start(fn, call, lambda r: self._back(ops, r, tensor, dtype, carry),
+        return self._start("allreduce", call, lambda r: self._back(ops, r, tensor, dtype, carry),
                            t, name=self._name("allreduce", name), op=hop, process_set=self._set)
 
     def grouped_allreduce(self, tensors: Sequence[Tensor], op: str = "average",

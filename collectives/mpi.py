@@ -485,9 +485,7 @@ class MPICommunicator(CommunicatorBase):
         return "mpi"
 
     # -- collectives -----------------------------------------------------------------------------
-    def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None, *,
-                        donate: bool = False) -> Handle:
-        # ``donate`` is not needed here: outputs come from the pool, without page faults
+    def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Handle:
         return self._allreduce(tensor, op, name, sync=False)
 
     def allreduce(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Tensor:

@@ -378,10 +378,9 @@ class ObservedCommunicator:
         return _TracedHandle(handle, op)
 
     # -- collectives -----------------------------------------------------------------------
-    def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None, *,
-                        donate: bool = False) -> Handle:
+    def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Handle:
         rec = self._begin("allreduce", tensor, name, op=op)
-        return self._async(rec, lambda: self._inner.allreduce_async(tensor, op, name, donate=donate))
+        return self._async(rec, lambda: self._inner.allreduce_async(tensor, op, name))
 
     def allreduce(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Tensor:
         return self.allreduce_async(tensor, op, name).wait()

@@ -77,8 +77,7 @@ class SelfComm:
     def allgather_async(self, t: Any, name: str | None = None) -> Done:
         return Done(t)
 
-    def allreduce_async(self, t: Any, op: str = "average", name: str | None = None, *,
-                        donate: bool = False) -> Done:
+    def allreduce_async(self, t: Any, op: str = "average", name: str | None = None) -> Done:
         return Done(t)
 
 

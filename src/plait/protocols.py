@@ -54,8 +54,7 @@ class Communicator(Protocol):
     cross_rank: int
     cross_size: int
 
-    def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None, *,
-                        donate: bool = False) -> Handle: ...
+    def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Handle: ...
     def allreduce(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Tensor: ...
     def grouped_allreduce(
         self, tensors: Sequence[Tensor], op: str = "average", name: str | None = None

@@ -91,10 +91,10 @@ def test_matches_serial_training(comm, opt, bucket_mb, passes, monkeypatch):
 
 
 def test_gradients_kept_between_steps_never_see_the_next_bucket(comm, monkeypatch):
-    """.grad is a view of the reduced bucket, whose buffer is reused by a later step only once
-    nothing refers to it: a gradient the script kept is never overwritten, and
+    """.grad is a view of the reduced bucket, whose (pooled) buffer is reused by a later step
+    only once nothing refers to it: a gradient the script kept is never overwritten, and
     zero_grad(set_to_none=False) (every .grad zeroed and accumulated into in place) still
-    trains as the serial run does, with two fused buffers per bucket alternating."""
+    trains as the serial run does, with at most two fused buffers per bucket size."""
     monkeypatch.setattr("plait.collectives.pool.MIN_BYTES", 0)  # pool this small model's buckets
     x, y = digits()
     m = model()

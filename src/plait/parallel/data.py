@@ -125,8 +125,6 @@ class GradientReducer:
         prefix: prefix of the names given to the collectives.
         fuse: makes a bucket's flat tensor from its gradients (default: concatenate;
             a framework can reuse a buffer). Used without compression only.
-        donate: ``fuse``'s tensors are the reducer's alone: the backend may reduce
-            into them (``allreduce_async(donate=True)``) instead of into a new tensor.
         check_once: on the MPI backend with the agreement check on, check each bucket
             plan in its first step only, then reduce on a private unchecked copy of
             ``comm`` (its collectives meet only this reducer's, whose order and shapes
@@ -149,8 +147,7 @@ class GradientReducer:
     def __init__(self, comm: Communicator, specs: Sequence[GradSpec], *, op: str = "average",
                  bucket_mb: float | None = DEFAULT_BUCKET_MB, compression: Any = None,
                  memory: Any = None, prefix: str = "grad",
-                 fuse: Callable[[Bucket], Tensor] | None = None, donate: bool = False,
-                 check_once: bool = False) -> None:
+                 fuse: Callable[[Bucket], Tensor] | None = None, check_once: bool = False) -> None:
         start_mb, tune = bucket_setting(bucket_mb, DEFAULT_BUCKET_MB)
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -174,7 +171,6 @@ class GradientReducer:
             start_mb, tune = 0.0, False  # e.g. PowerSGD: factorises each gradient in its own shape
         self._specs = list(specs)
         self._fuse = fuse if self._plain else None
-        self._donate = donate and self._fuse is not None
         self.tuner = BucketTuner() if tune and comm.size > 1 else None
         self._tried: list[list[list[str]]] = []
         self.bucket_mb = start_mb
@@ -234,7 +230,7 @@ class GradientReducer:
                 fused = ops.concat([ops.reshape(bucket.grads[s.name], [-1]) for s in bucket.specs])
         self._counted = self.stats is not None and not ops.is_symbolic(fused)
         if self._plain:
-            bucket.handle = comm.allreduce_async(fused, op=self.op, name=name, donate=self._donate)
+            bucket.handle = comm.allreduce_async(fused, op=self.op, name=name)
             if self.stats is not None and self._counted:
                 size = nbytes(fused)
                 self.stats.record(name, size, size)
