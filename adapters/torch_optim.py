@@ -24,7 +24,8 @@ from plait.protocols import Communicator
 
 from .torch import OPS
 
-__all__ = ["broadcast_optimizer_state", "broadcast_parameters", "distributed_optimizer"]
+__all__ = ["broadcast_optimizer_state", "broadcast_parameters", "distributed_optimizer",
+           "initialize_optimizer_state"]
 
 
 class _Distributed:
@@ -243,3 +244,24 @@ def broadcast_optimizer_state(optimizer: torch.optim.Optimizer, comm: Communicat
     state = comm.broadcast_object(optimizer.state_dict() if comm.rank == root else None, root)
     if comm.rank != root:
         optimizer.load_state_dict(state)
+
+
+def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Horovod's state initialisation before a broadcast: an optimizer without state
+    takes one local step with zero gradients (no allreduce), so that its state exists.
+
+    Every parameter that requires a gradient is left with a zero ``.grad`` (sparse for
+    ``SparseAdam``); weight decay applies in that step, as in Horovod. An optimizer
+    that has state is left alone.
+    """
+    if optimizer.state_dict()["state"]:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if p.requires_grad:
+                p.grad = torch.zeros_like(p)
+                if isinstance(optimizer, torch.optim.SparseAdam):
+                    p.grad = p.grad.to_sparse()
+    skip = optimizer.skip_synchronize() if isinstance(optimizer, _Distributed) else None
+    with skip if skip is not None else contextlib.nullcontext():
+        optimizer.step()

@@ -199,7 +199,7 @@ class MappedHandle:
 
 
 #: Names of the operations in flight in this process (Horovod's tensor queue is per process).
-_IN_FLIGHT: dict[str, Handle] = {}
+_IN_FLIGHT: dict[str, _Named] = {}
 
 
 class _Named:
@@ -229,7 +229,18 @@ class _Named:
 
 
 def _claim(name: str | None) -> None:
-    """Raise Horovod's ``ValueError`` when an operation of this name is still in flight."""
+    """Raise Horovod's ``ValueError`` when an operation of this name is still in flight.
+
+    Names of operations that completed without being waited on are freed here, when an
+    operation of another name starts (Horovod frees a name when its operation
+    completes; its background cycle makes that at least a cycle after the start, so
+    an immediate reuse of the same name always raises, and does here too)."""
+    for other, handle in list(_IN_FLIGHT.items()):
+        if other != name:
+            try:
+                handle.done()  # releases the name once complete
+            except Exception:  # noqa: BLE001 - it failed: its name is free (its wait raises)
+                handle._release()
     if name is not None and name in _IN_FLIGHT:
         raise ConfigError(
             f"an operation named {name!r} is still in flight (not yet synchronized); Horovod "

@@ -277,8 +277,14 @@ def broadcast_parameters(params: Any, root_rank: int = 0, process_set: Any = Non
 
 
 def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0, process_set: Any = None) -> None:
-    """Copy ``root_rank``'s optimizer state and hyper-parameters to all ranks."""
+    """Copy ``root_rank``'s optimizer state and hyper-parameters to all ranks.
+
+    As Horovod does, an optimizer without state first takes one local step with zero
+    gradients, so that its state exists (every parameter that requires a gradient is
+    left with a zero ``.grad``; weight decay applies in that step, as in Horovod).
+    """
     comm, root = _F.target(process_set, root_rank)
+    torch_optim.initialize_optimizer_state(optimizer)
     torch_optim.broadcast_optimizer_state(optimizer, comm, root)
 
 

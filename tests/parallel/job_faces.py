@@ -4,6 +4,8 @@ on the world backend chosen by PLAIT_BACKEND (tests/test_jobs.py runs both)."""
 from __future__ import annotations
 
 import os
+import time
+from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 
@@ -354,6 +356,37 @@ def test_errors_are_the_types_horovod_raises():
     while not hvd.poll(h):
         pass
     assert torch.equal(hvd.broadcast(x, 0, name="dup2"), x) and torch.equal(h.wait(), x)
+    h = hvd.allgather_async(x, name="dup3")  # never waited on: freed once complete
+    with pytest.raises(ValueError, match="'dup3'"):  # reused at once: still in flight
+        hvd.allgather_async(x, name="dup3")
+    hvd.allreduce(x, name="other")
+    while not h._handle.done():  # complete, but nobody waited on it through the face
+        time.sleep(0.01)
+    hvd.allreduce(x, name="another")  # an operation of another name frees it
+    assert hvd.allgather(x, name="dup3").shape == (4 * hvd.size(),)
+
+
+def _initialised_state(lib) -> tuple[list[Any], list[float]]:
+    """Horovod's broadcast_optimizer_state on an optimizer without state: one step with
+    zero gradients first (weight decay applies), frozen parameters keep no gradient."""
+    torch.manual_seed(hvd.rank())
+    frozen = torch.nn.Parameter(torch.ones(2), requires_grad=False)
+    trained = torch.nn.Parameter(torch.ones(3))
+    opt = torch.optim.SGD([frozen, trained], lr=0.5, momentum=0.9, weight_decay=0.1)
+    opt = lib.DistributedOptimizer(opt, named_parameters=[("frozen", frozen), ("trained", trained)])
+    lib.broadcast_optimizer_state(opt, root_rank=0)
+    grads = [None if p.grad is None else p.grad.tolist() for p in (frozen, trained)]
+    return grads, trained.detach().tolist() + opt.state[trained]["momentum_buffer"].tolist()
+
+
+def test_broadcast_optimizer_state_initialises_state_as_horovod():
+    grads, values = _initialised_state(hvd)
+    assert grads == [None, [0.0] * 3]
+    np.testing.assert_allclose(values, [0.95] * 3 + [0.1] * 3, rtol=1e-6)
+    if hvd.backend() == "horovod":
+        import horovod.torch as real
+
+        assert _initialised_state(real) == (grads, values)
 
 
 def test_zero_d_tensors_stay_zero_d():
