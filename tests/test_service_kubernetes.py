@@ -1,26 +1,34 @@
-"""The kubernetes backend without a cluster: the manifests it would apply (checked against the Kubernetes
-API schema with kubernetes-validate where installed), and the pod side of the contract run for real: the
-bootstrap each pod starts, with the environment the manifest gives it, on this machine.
+"""The kubernetes backend without a cluster: the manifests it would create (checked against the Kubernetes
+API schema with kubernetes-validate where installed), the pod side of the contract run for real (the
+bootstrap each pod starts, with the environment the manifest gives it, on this machine), and the backend's
+calls through the real ``kubernetes`` client against a fake API server on 127.0.0.1 (a thread here that
+records every request and answers as the API server would).
 
-No cluster runs here: applying the manifests (``plait serve --backend kubernetes``) is tested only
-where ``kubectl`` has a context (see the last test).
+No cluster runs here: submitting to a live cluster is not part of these tests.
 """
 
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
+from urllib.parse import parse_qs, urlsplit
 
 import pytest
 from jobs import ROOT, mpi_env
 
 from plait.errors import ConfigError
+from plait.service import kubernetes as k8s
+from plait.service.core import Service
 from plait.service.kubernetes import INDEX_ANNOTATION, KubernetesBackend, render, resource_name
 from plait.service.spec import make_spec
+from plait.service.store import JobStore
 
 CODE = ROOT / "tests" / "service_jobs"
 JOB = "20261125-abcd1234"
@@ -143,14 +151,366 @@ def test_bad_input_names_the_argument() -> None:
         KubernetesBackend(0, "x", str(CODE))
 
 
-def test_kubectl_only_with_a_configured_cluster(tmp_path: Path) -> None:
-    if shutil.which("kubectl") is None:
-        pytest.skip("kubectl is not installed")
-    context = subprocess.run(["kubectl", "config", "current-context"], capture_output=True, text=True,
-                             timeout=30)
-    if context.returncode != 0:
-        with pytest.raises(ConfigError, match="no Kubernetes cluster configured"):
-            KubernetesBackend(4, "x", str(CODE))
-        return
-    pytest.skip(f"a cluster is configured ({context.stdout.strip()}): run 'plait serve --backend kubernetes' "
-                "by hand; the suite does not submit to a real cluster")
+# -- the backend's API calls, through the real client, against a fake API server --------------------------
+
+TOKEN = "test-token-123"
+
+
+class FakeAPI(ThreadingHTTPServer):
+    """A stand-in for the Kubernetes API server: records every request and answers with plausible JSON.
+
+    ``pods``: the items of every PodList it returns; ``logs``: pod name -> log text; ``fail``: (method,
+    path) -> (HTTP status, reason) answered with a ``Status`` instead.
+    """
+
+    daemon_threads = True
+
+    def __init__(self) -> None:
+        super().__init__(("127.0.0.1", 0), _Handler)
+        self.requests: list[dict[str, Any]] = []
+        self.pods: list[dict[str, Any]] = []
+        self.logs: dict[str, str] = {}
+        self.fail: dict[tuple[str, str], tuple[int, str]] = {}
+        self.lock = threading.Lock()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.server_address[1]}"
+
+    def calls(self, method: str | None = None) -> list[tuple[str, str]]:
+        """(method, path) of the requests so far, but the pod listings."""
+        with self.lock:
+            return [(r["method"], r["path"]) for r in self.requests
+                    if (method is None or r["method"] == method) and not r["path"].endswith("/pods")]
+
+
+def _status(code: int, reason: str, message: str) -> dict[str, Any]:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message,
+            "reason": reason, "code": code}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    server: FakeAPI
+
+    def log_message(self, format: str, *args: Any) -> None:  # quiet
+        pass
+
+    def _send(self, code: int, body: Any, content_type: str = "application/json") -> None:
+        data = (body if isinstance(body, str) else json.dumps(body)).encode()
+        self.send_response(code)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _handle(self) -> None:
+        url = urlsplit(self.path)
+        length = int(self.headers.get("Content-Length") or 0)
+        raw = self.rfile.read(length) if length else b""
+        record = {"method": self.command, "path": url.path, "query": parse_qs(url.query),
+                  "body": json.loads(raw) if raw else None, "auth": self.headers.get("Authorization")}
+        with self.server.lock:
+            self.server.requests.append(record)
+            failure = self.server.fail.get((self.command, url.path))
+            pods, logs = list(self.server.pods), dict(self.server.logs)
+        name = url.path.rstrip("/").split("/")[-1]
+        if failure is not None:
+            code, reason = failure
+            self._send(code, _status(code, reason, f"{reason}: refused by the fake API for {name}"))
+        elif self.command == "POST":
+            body = dict(record["body"])
+            body["metadata"] = {**body["metadata"], "uid": f"uid-{len(self.server.requests)}",
+                                "resourceVersion": "1", "creationTimestamp": "2026-01-01T00:00:00Z"}
+            self._send(201, body)
+        elif self.command == "DELETE" and "/services/" in url.path:  # the Service, being deleted
+            self._send(200, {"kind": "Service", "apiVersion": "v1", "metadata": {
+                "name": name, "deletionTimestamp": "2026-01-01T00:00:01Z"}, "spec": {"clusterIP": "None"}})
+        elif self.command == "DELETE":
+            self._send(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+                             "details": {"name": name}})
+        elif self.command == "GET" and url.path.endswith("/pods"):
+            key, _, value = record["query"].get("labelSelector", ["="])[0].partition("=")
+            items = [p for p in pods if p["metadata"]["labels"].get(key) == value]
+            self._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "7"},
+                             "items": items})
+        elif self.command == "GET" and url.path.endswith("/log"):
+            pod = url.path.split("/")[-2]
+            if pod in logs:
+                self._send(200, logs[pod], "text/plain")
+            else:
+                self._send(400, _status(400, "BadRequest", f"container in pod {pod} is waiting to start"))
+        else:
+            self._send(404, _status(404, "NotFound", f"{url.path} not found"))
+
+    do_GET = do_POST = do_DELETE = _handle  # noqa: N815
+
+
+@pytest.fixture
+def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeAPI, str]]:
+    """The fake API server and a kubeconfig for it (context ``fake``; the current context is broken)."""
+    pytest.importorskip("kubernetes")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    server = FakeAPI()
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "elsewhere",
+        "clusters": [{"name": "fake", "cluster": {"server": server.url}},
+                     {"name": "nowhere", "cluster": {"server": "http://127.0.0.1:9"}}],
+        "users": [{"name": "tester", "user": {"token": TOKEN}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "tester"}},
+                     {"name": "elsewhere", "context": {"cluster": "nowhere", "user": "tester"}}],
+    }))
+    yield server, str(kubeconfig)
+    server.shutdown()
+    server.server_close()
+
+
+def _backend(kubeconfig: str, slots: int = 8, **kw: Any) -> KubernetesBackend:
+    return KubernetesBackend(slots, "registry.local/plait:1", str(CODE), namespace="training",
+                             context="fake", kubeconfig=kubeconfig, poll_s=0.0, **kw)
+
+
+def _pod(index: int | None, phase: str, code: int | None = None, *, job: str = JOB,
+         container: str = "worker", labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """A pod as the API server lists it: ``code`` None and phase Running: a running container."""
+    name = f"{resource_name(job)}-{index}-x7k2p" if index is not None else f"{resource_name(job)}-{container}"
+    meta: dict[str, Any] = {"name": name, "namespace": "training",
+                            "labels": {"plait.dev/job": job, **(labels or {})}}
+    if index is not None:
+        meta["annotations"] = {INDEX_ANNOTATION: str(index)}
+        meta["labels"][INDEX_ANNOTATION] = str(index)
+    state: dict[str, Any] = {"running": {}}
+    if phase == "Pending":
+        state = {"waiting": {"reason": "ContainerCreating"}}
+    if code is not None:
+        state = {"terminated": {"exitCode": code, "reason": "Completed" if code == 0 else "Error"}}
+    status: dict[str, Any] = {"phase": phase}
+    if not (phase == "Failed" and code is None):  # a pod killed before it ran has no container status
+        status["containerStatuses"] = [{"name": container, "image": "registry.local/plait:1", "imageID": "",
+                                        "ready": phase == "Running", "restartCount": 0, "state": state}]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": meta,
+            "spec": {"containers": [{"name": container, "image": "registry.local/plait:1"}]},
+            "status": status}
+
+
+def test_launch_creates_the_service_and_the_job_as_rendered(api: tuple[FakeAPI, str], tmp_path: Path) -> None:
+    server, kubeconfig = api
+    backend = _backend(kubeconfig)
+    spec = _spec("torch", 3)
+    launched = backend.launch(JOB, spec, ["pod 0", "pod 1", "pod 2"], {}, str(tmp_path), [])
+    service, job = _render("torch", 3)
+    listing, *created = server.requests
+    assert listing["method"] == "GET" and listing["path"] == "/api/v1/namespaces/training/pods"
+    assert listing["query"]["labelSelector"] == [f"plait.dev/job={JOB}"]  # a previous attempt's pods?
+    assert [(r["method"], r["path"]) for r in created] == [
+        ("POST", "/api/v1/namespaces/training/services"), ("POST", "/apis/batch/v1/namespaces/training/jobs")]
+    assert created[0]["body"] == service and created[1]["body"] == job
+    assert {r["auth"] for r in server.requests} == {f"Bearer {TOKEN}"}  # context "fake", not the current one
+    assert launched.objects == [service, job] and launched.pgids == []
+
+
+def test_horovod_and_mpi_jobs_are_an_mpijob(api: tuple[FakeAPI, str], tmp_path: Path) -> None:
+    server, kubeconfig = api
+    backend = _backend(kubeconfig)
+    for framework in ("mpi", "horovod"):
+        server.requests.clear()
+        backend.launch(JOB, _spec(framework, 2, 2), ["pod 0", "pod 1"], {}, str(tmp_path), [])
+        (mpijob,) = _render(framework, 2, 2)
+        (post,) = [r for r in server.requests if r["method"] == "POST"]
+        assert post["path"] == "/apis/kubeflow.org/v2beta1/namespaces/training/mpijobs"
+        assert post["body"] == mpijob
+
+
+def test_status_maps_pod_phases_to_per_rank_exit_codes(api: tuple[FakeAPI, str], tmp_path: Path) -> None:
+    server, kubeconfig = api
+    launched = _backend(kubeconfig).launch(JOB, _spec("torch", 3, 2), [], {}, str(tmp_path), [])
+    assert not launched.poll()  # no pod yet
+    server.pods = [_pod(0, "Pending"), _pod(1, "Running"), _pod(2, "Running")]
+    assert not launched.poll() and launched.exit_codes(final=False) == {} and launched.failed_rank() is None
+    server.pods = [_pod(0, "Succeeded", 0), _pod(1, "Failed", 3), _pod(2, "Running")]
+    assert not launched.poll()  # pod 2 still runs (the Job controller is about to stop it)
+    assert launched.failed_rank() == (2, 3)
+    assert launched.exit_codes(final=False) == {0: 0, 1: 0, 2: 3, 3: 3}
+    assert server.calls("DELETE") == []
+    server.pods[2] = _pod(2, "Failed")  # killed by the Job controller: no container status
+    server.logs = {server.pods[0]["metadata"]["name"]: "rank 0 says hi\n",
+                   server.pods[1]["metadata"]["name"]: "Traceback ...\nexit 3\n"}
+    assert launched.poll()
+    assert launched.exit_codes() == {0: 0, 1: 0, 2: 3, 3: 3, 4: -1, 5: -1}
+    assert launched.launcher_code() is None
+    # clean-up on completion: the pods' logs, then the objects, with background propagation
+    assert (tmp_path / "rank-0.log").read_text() == "rank 0 says hi\n"
+    assert (tmp_path / "rank-2.log").read_text().endswith("exit 3\n")
+    assert not (tmp_path / "rank-4.log").exists()  # pod 2 never ran: its log request got 400
+    logs = [p for m, p in server.calls("GET")]
+    assert logs == [f"/api/v1/namespaces/training/pods/{p['metadata']['name']}/log" for p in server.pods]
+    deletes = [r for r in server.requests if r["method"] == "DELETE"]
+    assert [r["path"] for r in deletes] == [f"/apis/batch/v1/namespaces/training/jobs/{NAME}",
+                                            f"/api/v1/namespaces/training/services/{NAME}"]
+    assert all(r["query"]["propagationPolicy"] == ["Background"] for r in deletes)
+    requests = len(server.requests)
+    assert launched.poll() and len(server.requests) == requests  # ended: no more calls
+
+
+def test_succeeded_pods_succeed_and_the_poll_interval_limits_calls(api: tuple[FakeAPI, str],
+                                                                     tmp_path: Path) -> None:
+    server, kubeconfig = api
+    backend = _backend(kubeconfig)
+    launched = backend.launch(JOB, _spec("tensorflow", 2), [], {}, str(tmp_path), [])
+    server.pods = [_pod(1, "Succeeded", 0), _pod(0, "Running")]
+    backend.poll_s = 3600.0
+    listings = len(server.requests)
+    assert not launched.poll() and len(server.requests) == listings + 1
+    server.pods[1] = _pod(0, "Succeeded", 0)
+    assert not launched.poll() and len(server.requests) == listings + 1  # within poll_s: the last answer
+    backend.poll_s = 0.0
+    assert launched.poll() and launched.exit_codes() == {0: 0, 1: 0}
+
+
+def test_mpijob_status_is_its_launcher_pod(api: tuple[FakeAPI, str], tmp_path: Path) -> None:
+    server, kubeconfig = api
+    backend = _backend(kubeconfig)
+    role = {"training.kubeflow.org/job-role": "launcher"}
+    for code, expected in ((0, {0: 0, 1: 0, 2: 0, 3: 0}), (1, {})):
+        launched = backend.launch(JOB, _spec("mpi", 2, 2), [], {}, str(tmp_path), [])
+        server.pods = [_pod(None, "Running", container="worker", labels={}),
+                       _pod(None, "Running", container="launcher", labels=role)]
+        assert not launched.poll()
+        server.pods = [_pod(None, "Failed" if code else "Succeeded", code, container="launcher", labels=role)]
+        server.logs = {server.pods[0]["metadata"]["name"]: f"mpirun exited {code}\n"}
+        assert launched.poll()
+        assert launched.launcher_code() == code and launched.exit_codes() == expected
+        assert (tmp_path / "rank-0.log").read_text() == f"mpirun exited {code}\n"
+        (delete,) = [r for r in server.requests if r["method"] == "DELETE"]
+        assert delete["path"] == f"/apis/kubeflow.org/v2beta1/namespaces/training/mpijobs/{NAME}"
+        assert delete["query"]["propagationPolicy"] == ["Background"]
+        server.requests.clear()
+        server.pods = []
+
+
+def _wait(predicate: Any, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+def test_service_runs_and_cancels_jobs_through_the_api(api: tuple[FakeAPI, str], tmp_path: Path) -> None:
+    """The service core over the backend: a job that succeeds, and one cancelled while it runs."""
+    server, kubeconfig = api
+    store = JobStore(str(tmp_path / "jobs.db"))
+    service = Service(store, _backend(kubeconfig, slots=4), str(CODE), str(tmp_path / "work"))
+    service.start()
+    try:
+        request = {"name": "digits", "entry_point": "torch_group.py", "framework": "torch"}
+        job = service.submit(**request, parameters={"PARALLEL_INSTANCES": "2"})
+        _wait(lambda: service.status(job.id).state == "running")
+        posts = [r for r in server.requests if r["method"] == "POST"]
+        assert [r["body"]["kind"] for r in posts] == ["Service", "Job"]
+        assert all(r["body"]["metadata"]["labels"]["plait.dev/job"] == job.id for r in posts)
+        assert service.backend.free_slots() == 2
+        server.pods = [_pod(i, "Succeeded", 0, job=job.id) for i in range(2)]
+        _wait(lambda: service.status(job.id).final)
+        done = service.status(job.id)
+        assert (done.state, done.exit_codes) == ("succeeded", {0: 0, 1: 0})
+        assert len([r for r in server.requests if r["method"] == "DELETE"]) == 2
+        assert service.backend.free_slots() == 4
+
+        server.requests.clear()
+        other = service.submit(**request, parameters={"PARALLEL_INSTANCES": "3"})
+        _wait(lambda: len([r for r in server.requests if r["method"] == "POST"]) == 2)
+        server.pods = [_pod(i, "Running", job=other.id) for i in range(3)]
+        _wait(lambda: service.status(other.id).state == "running")
+        cancelled = service.cancel(other.id)
+        assert cancelled.state == "cancelled"
+        deletes = [r for r in server.requests if r["method"] == "DELETE"]
+        assert [r["path"].split("/")[-2:] for r in deletes] == [
+            ["jobs", resource_name(other.id)], ["services", resource_name(other.id)]]
+        assert all(r["query"]["propagationPolicy"] == ["Background"] for r in deletes)
+    finally:
+        service.stop()
+        store.close()
+
+
+@pytest.mark.parametrize("failing,code,reason,words", [
+    ("/apis/batch/v1/namespaces/training/jobs", 409, "AlreadyExists",
+     ["creating Job training/" + NAME, "409"]),
+    ("/api/v1/namespaces/training/services", 403, "Forbidden", ["creating Service training/" + NAME, "RBAC"]),
+    ("/apis/kubeflow.org/v2beta1/namespaces/training/mpijobs", 404, "NotFound", ["MPIJob", "MPI operator"]),
+])
+def test_an_api_error_names_the_object(api: tuple[FakeAPI, str], tmp_path: Path, failing: str, code: int,
+                                       reason: str, words: list[str]) -> None:
+    server, kubeconfig = api
+    server.fail[("POST", failing)] = (code, reason)
+    framework = "mpi" if "mpijobs" in failing else "torch"
+    with pytest.raises(ConfigError) as info:
+        _backend(kubeconfig).launch(JOB, _spec(framework, 2), [], {}, str(tmp_path), [])
+    message = str(info.value)
+    assert all(w in message for w in words) and "refused by the fake API" in message, message
+    if code == 409:  # the Service created before the Job is deleted again
+        assert server.calls() == [("POST", "/api/v1/namespaces/training/services"), ("POST", failing),
+                                  ("DELETE", f"/api/v1/namespaces/training/services/{NAME}")]
+
+
+def test_an_unreachable_api_ends_the_job_after_the_grace(api: tuple[FakeAPI, str], tmp_path: Path) -> None:
+    server, kubeconfig = api
+    backend = _backend(kubeconfig, api_grace_s=3600.0)
+    launched = backend.launch(JOB, _spec("torch", 2), [], {}, str(tmp_path), [])
+    server.fail[("GET", "/api/v1/namespaces/training/pods")] = (500, "InternalError")
+    assert not launched.poll()  # a passing failure is waited out
+    backend.api_grace_s = 0.0
+    assert launched.poll() and launched.exit_codes() == {0: -1, 1: -1}
+    assert len(server.calls("DELETE")) == 2
+
+
+def test_pods_deleted_from_outside_end_the_job(api: tuple[FakeAPI, str], tmp_path: Path) -> None:
+    server, kubeconfig = api
+    launched = _backend(kubeconfig).launch(JOB, _spec("torch", 2), [], {}, str(tmp_path), [])
+    server.pods = [_pod(0, "Succeeded", 0), _pod(1, "Running")]
+    assert not launched.poll()
+    server.pods = []  # e.g. kubectl delete job: the pods are gone, no status was seen for pod 1
+    assert launched.poll() and launched.exit_codes() == {0: 0, 1: -1}
+
+
+def test_adopted_jobs_and_leftover_pods(api: tuple[FakeAPI, str], tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    server, kubeconfig = api
+    backend = _backend(kubeconfig)
+    server.pods = [_pod(0, "Succeeded", 0), _pod(1, "Running")]
+    monkeypatch.setattr(k8s, "LEFTOVER_WAIT_S", 0.2)
+    with pytest.raises(ConfigError, match="previous attempt"):  # a relaunch waits for the old pods to go
+        backend.launch(JOB, _spec("torch", 2), [], {}, str(tmp_path), [])
+    assert server.calls("POST") == []
+    adopted = backend.adopt(JOB, _spec("torch", 2), [], str(tmp_path))  # after a service restart
+    assert not adopted.poll() and adopted.exit_codes(final=False) == {0: 0}
+    server.pods[1] = _pod(1, "Succeeded", 0)
+    assert adopted.poll() and adopted.exit_codes() == {0: 0, 1: 0}
+    assert len(server.calls("DELETE")) == 2
+    backend.delete(JOB, _spec("torch", 2))  # gone already: 404 is fine
+    server.fail[("DELETE", f"/apis/batch/v1/namespaces/training/jobs/{NAME}")] = (404, "NotFound")
+    backend.delete(JOB, _spec("torch", 2))
+
+
+def test_no_cluster_configured_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("kubernetes")
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(ConfigError, match="no Kubernetes cluster configured"):
+        KubernetesBackend(4, "x", str(CODE), kubeconfig=str(tmp_path / "missing"))
+    empty = tmp_path / "empty"
+    empty.write_text(json.dumps({"apiVersion": "v1", "kind": "Config", "clusters": [], "contexts": [],
+                                 "users": []}))
+    with pytest.raises(ConfigError, match="no Kubernetes cluster configured"):
+        KubernetesBackend(4, "x", str(CODE), kubeconfig=str(empty))
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.0.0.1")  # in a pod, but without a service account
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    with pytest.raises(ConfigError, match="no Kubernetes cluster configured"):
+        KubernetesBackend(4, "x", str(CODE))
+
+
+def test_import_plait_service_does_not_import_kubernetes() -> None:
+    code = ("import sys, plait, plait.service.core, plait.service.kubernetes, plait.service.server; "
+            "print('kubernetes' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
