@@ -15,7 +15,7 @@ import torch
 
 from plait.errors import PlaitTypeError
 
-__all__ = ["OPS", "TorchOps", "collective_function"]
+__all__ = ["OPS", "TorchOps", "collective_function", "grouped_collective_function"]
 
 _TO_NAME = {
     torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
@@ -262,6 +262,36 @@ def collective_function(
 
     def apply(x: torch.Tensor) -> torch.Tensor:
         out: torch.Tensor = _Collective.apply(x)
+        return out
+
+    return apply
+
+
+def grouped_collective_function(
+    forward: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+    backward: Callable[[list[torch.Tensor]], list[torch.Tensor]],
+) -> Callable[..., tuple[torch.Tensor, ...]]:
+    """:func:`collective_function` of several tensors at once (Horovod's grouped forms).
+
+    Args:
+        forward: applied to the inputs in the forward pass.
+        backward: applied to the upstream gradients (zeros for unused outputs).
+
+    Returns:
+        A function of the tensors returning one output per input.
+    """
+
+    class _Grouped(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx: Any, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return tuple(forward(list(xs)))
+
+        @staticmethod
+        def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor, ...]:
+            return tuple(backward(list(grads)))
+
+    def apply(*xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out: tuple[torch.Tensor, ...] = _Grouped.apply(*xs)
         return out
 
     return apply

@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from plait.adapters import torch_optim
-from plait.adapters.torch import collective_function
+from plait.adapters.torch import collective_function, grouped_collective_function
 from plait.adapters.torch_sparse import sparse_allreduce_async
 from plait.adapters.torch_syncbn import SyncBatchNorm
 
@@ -63,7 +63,7 @@ cuda_built, rocm_built, ddl_built, is_homogeneous = (_F.cuda_built, _F.rocm_buil
                                                      _F.is_homogeneous)
 mpi_enabled, gloo_enabled = _F.mpi_enabled, _F.gloo_enabled
 join, start_timeline, stop_timeline = _F.join, _F.start_timeline, _F.stop_timeline
-allreduce_async, grouped_allreduce = _F.allreduce_async, _F.grouped_allreduce
+allreduce_async = _F.allreduce_async
 allgather_async, broadcast_async = _F.allgather_async, _F.broadcast_async
 grouped_allgather, grouped_reducescatter = _F.grouped_allgather, _F.grouped_reducescatter
 alltoall_async, barrier = _F.alltoall_async, _F.barrier
@@ -157,15 +157,16 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
     received: list[Any] = []
 
     def forward(t: Any) -> Any:
-        out = _F.alltoall(t, splits, name, process_set)
-        if splits is None:
-            return out
-        received.append(out[1])
-        return out[0]
+        if splits is not None:
+            out, got = _F.alltoall(t, splits, name, process_set)
+        else:  # even splits; other ranks may send this one more or fewer rows
+            claim_name(name)
+            out, got = comm.alltoall(t, None, name)  # type: ignore[attr-defined]
+        received.append(got)
+        return out
 
-    def backward(g: Any) -> Any:
-        back = None if splits is None else [int(v) for v in received[0]]
-        return comm.alltoall(g, back)[0]  # type: ignore[attr-defined]
+    def backward(g: Any) -> Any:  # the rows go back where they came from
+        return comm.alltoall(g, [int(v) for v in received[0]])[0]  # type: ignore[attr-defined]
 
     out = collective_function(forward, backward)(tensor)
     return out if splits is None else (out, received[0])
@@ -198,6 +199,33 @@ def allreduce_(tensor: Any, average: bool | None = None, name: str | None = None
     tensor.data.copy_(_F.allreduce(tensor, average, name, op, prescale_factor, postscale_factor,
                                    process_set))
     return tensor
+
+
+def grouped_allreduce(tensors: Any, average: bool | None = None, name: str | None = None,
+                      op: str | None = None, prescale_factor: float = 1.0,
+                      postscale_factor: float = 1.0, process_set: Any = None) -> list[Any]:
+    """Reduce several tensors in one fused collective (Horovod's ``grouped_allreduce``).
+
+    Differentiable as in Horovod: the upstream gradients get the same grouped allreduce.
+
+    Returns:
+        One reduced tensor per input.
+    """
+    tensors = list(tensors)
+    if not any(getattr(t, "requires_grad", False) for t in tensors):
+        return _F.grouped_allreduce(tensors, average, name, op, prescale_factor,  # type: ignore[no-any-return]
+                                    postscale_factor, process_set)
+    reduce_op = resolve_op(average, op)
+
+    def forward(ts: list[Any]) -> list[Any]:
+        return _F.grouped_allreduce(ts, None, name, reduce_op, prescale_factor,  # type: ignore[no-any-return]
+                                    postscale_factor, process_set)
+
+    def backward(gs: list[Any]) -> list[Any]:
+        return _F.grouped_allreduce(gs, None, None, reduce_op, prescale_factor,  # type: ignore[no-any-return]
+                                    postscale_factor, process_set)
+
+    return list(grouped_collective_function(forward, backward)(*tensors))
 
 
 def grouped_allreduce_(tensors: Any, average: bool | None = None, name: str | None = None,

@@ -515,6 +515,13 @@ def _autograd_grads(lib) -> dict[str, list[float]]:
     out, _ = lib.alltoall(w * 1, splits=torch.ones(n, dtype=torch.int32))
     out.mul(r + 1).sum().backward()
     grads["alltoall"] = w.grad.tolist()
+    w = torch.ones(n * (r + 1), requires_grad=True)  # even splits, but ragged across ranks
+    lib.alltoall(w * 1).mul(r + 1).sum().backward()
+    grads["alltoall_even"] = w.grad.tolist()
+    a, b = torch.ones(2, requires_grad=True), torch.ones(1, requires_grad=True)
+    outs = lib.grouped_allreduce([a * 1, b * 1], op=lib.Sum)
+    (outs[0].mul(r + 1).sum() + outs[1].mul(r + 1).sum()).backward()
+    grads["grouped_allreduce"] = a.grad.tolist() + b.grad.tolist()
     w = torch.ones(2 * n, requires_grad=True)
     lib.reducescatter(w * 1, op=lib.Sum).mul(r + 1).sum().backward()
     grads["reducescatter"] = w.grad.tolist()
@@ -529,6 +536,8 @@ def test_torch_collectives_are_differentiable_as_in_horovod():
         "allgather": [mean] * (r + 1),
         "broadcast": [mean if r == n - 1 else 0.0] * 2,
         "alltoall": [float(q + 1) for q in range(n)],
+        "alltoall_even": [float(q + 1) for q in range(n) for _ in range(r + 1)],
+        "grouped_allreduce": [n * (n + 1) / 2] * 3,
         "reducescatter": [float(n * (q + 1)) for q in range(n) for _ in (0, 1)],
     }
     assert _autograd_grads(hvd) == expected
