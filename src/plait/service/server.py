@@ -219,7 +219,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--network-interface", metavar="IF", help="interface or CIDR for MPI traffic")
     p.add_argument("--token-file", metavar="FILE", help="require this token from clients")
     p.add_argument("--backend", choices=("hosts", "kubernetes"), default="hosts",
-                   help="hosts (default) or kubernetes (kubectl's current context; needs --image)")
+                   help="hosts (default) or kubernetes (the in-cluster service account or the "
+                        "kubeconfig's current context; needs --image)")
     p.add_argument("--image", help="kubernetes: the container image of the workers")
     p.add_argument("--image-code-dir", default="/code",
                    help="kubernetes: where --code-dir's content is in the image (default /code)")
