@@ -11,6 +11,7 @@ is still outstanding.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -37,6 +38,7 @@ class _Distributed:
     _plait_zeros: dict[str, int]
     _plait_passes: int
     _plait_skip: bool
+    _plait_synchronized: bool
     _plait_predivide: float
     _plait_pool: BufferPool
 
@@ -96,6 +98,7 @@ class _Distributed:
                 return torch.zeros_like(p)
             return p.grad.to_dense() if p.grad.is_sparse else p.grad
 
+        self._plait_synchronized = True
         scale = self._plait_predivide
         plain = self._plait_reducer.plain
         with torch.no_grad():
@@ -132,7 +135,12 @@ class _Distributed:
 
     def step(self, closure: Any = None) -> Any:
         if not self._plait_skip:
+            if self._plait_synchronized:  # Horovod warns here too
+                warnings.warn("optimizer.step() called without optimizer.skip_synchronize() "
+                              "context after optimizer.synchronize(): step() synchronizes "
+                              "again; call it inside optimizer.skip_synchronize()", stacklevel=2)
             self.synchronize()
+        self._plait_synchronized = False
         return super().step(closure)  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
@@ -209,6 +217,7 @@ def distributed_optimizer(
     dist._plait_zeros = dict(dist._plait_counts)
     dist._plait_passes = backward_passes_per_step
     dist._plait_skip = False
+    dist._plait_synchronized = False  # synchronize() ran since the last step()
     dist._plait_predivide = float(gradient_predivide_factor)
     if comm.size > 1:
         for n, p in named:

@@ -3,8 +3,10 @@ on the world backend chosen by PLAIT_BACKEND (tests/test_jobs.py runs both)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+import warnings
 from typing import Any
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -170,6 +172,32 @@ def test_torch_distributed_optimizer_takes_horovods_arguments():
         hvd.DistributedOptimizer(sgd, m.named_parameters(), groups=-2)
     with pytest.raises(plait.ConfigError, match="memory="):
         hvd.DistributedOptimizer(sgd, m.named_parameters(), memory=plait.compression.Residual())
+
+
+def _step_warnings(lib) -> list[int]:
+    """Warnings from step() after synchronize(): outside and inside skip_synchronize()."""
+    m = torch.nn.Linear(1, 1)
+    opt = lib.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    counts = []
+    for skip in (False, True, False):
+        m(torch.ones(1, 1)).sum().backward()
+        opt.synchronize()
+        with warnings.catch_warnings(record=True) as ws:
+            warnings.simplefilter("always")
+            with opt.skip_synchronize() if skip else contextlib.nullcontext():
+                opt.step()
+        counts.append(sum("skip_synchronize()" in str(w.message) for w in ws))
+        opt.zero_grad()
+    return counts
+
+
+def test_step_after_synchronize_warns_as_horovod():
+    assert _step_warnings(hvd) == [1, 0, 1]
+    if hvd.backend() == "horovod":
+        import horovod.torch as real
+
+        assert _step_warnings(real) == [1, 0, 1]
 
 
 def test_keras_and_tf_faces_take_horovods_arguments():
