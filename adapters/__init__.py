@@ -18,7 +18,7 @@ __all__ = ["DTYPES", "adapter", "ops_for"]
 #: Canonical dtype names every adapter maps to and from.
 DTYPES = (
     "float16", "bfloat16", "float32", "float64",
-    "int8", "uint8", "int16", "int32", "int64", "bool",
+    "int8", "uint8", "int16", "uint16", "int32", "int64", "bool",
 )
 
 _MODULES = {

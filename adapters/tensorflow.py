@@ -16,12 +16,12 @@ import tensorflow as tf
 
 from plait.errors import PlaitTypeError
 
-__all__ = ["OPS", "TFOps", "collective_function", "graph_position", "unwrap"]
+__all__ = ["OPS", "TFOps", "collective_function", "executing_eagerly", "graph_position", "unwrap"]
 
 _TO_NAME = {
     tf.float16: "float16", tf.bfloat16: "bfloat16", tf.float32: "float32",
     tf.float64: "float64", tf.int8: "int8", tf.uint8: "uint8", tf.int16: "int16",
-    tf.int32: "int32", tf.int64: "int64", tf.bool: "bool",
+    tf.uint16: "uint16", tf.int32: "int32", tf.int64: "int64", tf.bool: "bool",
 }
 _FROM_NAME = {v: k for k, v in _TO_NAME.items()}
 
@@ -197,6 +197,11 @@ class TFOps:
 
 _POSITIONS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _LAST_OP: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def executing_eagerly() -> bool:
+    """Whether TensorFlow executes eagerly here (False while a graph is built)."""
+    return bool(tf.executing_eagerly())
 
 
 def graph_position() -> tuple[str, int, bool] | None:

@@ -31,8 +31,8 @@ __all__ = ["HorovodCommunicator", "build_info", "mpi_launched"]
 # Horovod 0.28's CPU reductions take float16/32/64 and int32/64 only; its
 # data-moving ops also take int8, uint8 and int16.
 _CARRY_REDUCE = {"bfloat16": "float32", "bool": "int32", "int8": "int32", "uint8": "int32",
-                 "int16": "int32"}
-_CARRY_MOVE = {"bfloat16": "int16", "bool": "uint8"}
+                 "int16": "int32", "uint16": "int32"}
+_CARRY_MOVE = {"bfloat16": "int16", "uint16": "int16", "bool": "uint8"}  # (horovod.torch: no uint16)
 _BOOL_OPS = {"sum": "max", "max": "max", "min": "min", "product": "min"}
 
 
@@ -237,7 +237,7 @@ class HorovodCommunicator(CommunicatorBase):
 
             arr = f32_to_bf16(arr)
         elif carry == "int16":
-            arr = arr.view(np.uint16 if dtype == "bfloat16" else np.float16)
+            arr = arr.view(np.uint16 if dtype in ("bfloat16", "uint16") else np.float16)
         elif carry is not None:
             arr = arr.astype(bool if dtype == "bool" else dtype)
         return ops.from_numpy(np.ascontiguousarray(arr), like)

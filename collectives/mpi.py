@@ -58,7 +58,8 @@ _BUILTIN = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD,
 _BOOL = {"sum": MPI.LOR, "max": MPI.LOR, "min": MPI.LAND, "product": MPI.LAND}
 _MPI_TYPES = {
     "float32": MPI.FLOAT, "float64": MPI.DOUBLE, "int8": MPI.INT8_T, "uint8": MPI.UINT8_T,
-    "int16": MPI.INT16_T, "int32": MPI.INT32_T, "int64": MPI.INT64_T, "bool": MPI.C_BOOL,
+    "int16": MPI.INT16_T, "uint16": MPI.UINT16_T, "int32": MPI.INT32_T, "int64": MPI.INT64_T,
+    "bool": MPI.C_BOOL,
 }
 #: Payload bytes the header carries (a small allreduce travels whole in it).
 SLOT = 1024

@@ -42,7 +42,7 @@ from plait.protocols import Communicator, Handle, Tensor
 __all__ = ["ObservedCommunicator", "Recorder", "maybe_wrap", "merge", "prepare_env", "span"]
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
-             "int16": 2, "int32": 4, "int64": 8, "bool": 1}
+             "int16": 2, "uint16": 2, "int32": 4, "int64": 8, "bool": 1}
 
 
 def _now_us() -> float:

@@ -65,6 +65,13 @@ barrier = _F.barrier
 broadcast_object, allgather_object = _F.broadcast_object, _F.allgather_object
 
 
+def _executing_eagerly() -> bool:
+    """Whether TensorFlow executes eagerly here (Horovod exports this helper too)."""
+    from plait.adapters import tensorflow as tf_adapter
+
+    return tf_adapter.executing_eagerly()
+
+
 def _int32(value: int) -> Any:
     from plait.adapters import adapter
 

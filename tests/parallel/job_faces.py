@@ -200,6 +200,32 @@ def test_step_after_synchronize_warns_as_horovod():
         assert _step_warnings(real) == [1, 0, 1]
 
 
+def test_tf_uint16_and_executing_eagerly():
+    """uint16, which Horovod's TensorFlow ops take (allgather, broadcast, reductions),
+    eagerly and in a tf.function; Horovod's ``_executing_eagerly`` helper."""
+    r, n = hvd.rank(), hvd.size()
+    base = np.arange(6, dtype=np.uint16).reshape(3, 2)
+    x = tf.constant(base + r)
+    g = htf.allgather(x)
+    assert g.dtype == tf.uint16 and g.numpy().tolist() == np.concatenate(
+        [base + q for q in range(n)]).tolist()
+    b = htf.broadcast(x, root_rank=n - 1)
+    assert b.dtype == tf.uint16 and b.numpy().tolist() == (base + n - 1).tolist()
+    s = htf.allreduce(x, op=htf.Sum)
+    assert s.dtype == tf.uint16 and s.numpy().tolist() == sum(base + q for q in range(n)).tolist()
+    big = htf.allreduce(tf.fill([70001], tf.constant(r + 1, tf.uint16)), op=htf.Sum)
+    assert big.dtype == tf.uint16 and set(big.numpy().tolist()) == {n * (n + 1) // 2}
+    assert htf._executing_eagerly()
+
+    @tf.function
+    def f(t):
+        assert not htf._executing_eagerly()
+        return htf.allgather(t), htf.allreduce(t, op=htf.Max)
+
+    ga, m = f(x)
+    assert ga.dtype == tf.uint16 and m.numpy().tolist() == (base + n - 1).tolist()
+
+
 def test_keras_and_tf_faces_take_horovods_arguments():
     opt = hk.DistributedOptimizer(
         keras.optimizers.SGD(0.1), name="d", device_dense="", device_sparse="",

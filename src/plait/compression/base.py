@@ -53,7 +53,7 @@ FLOATS = ("float16", "bfloat16", "float32", "float64")
 #: Bytes per element of each canonical dtype.
 ITEMSIZE = {
     "float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
-    "int16": 2, "int32": 4, "int64": 8, "bool": 1,
+    "int16": 2, "uint16": 2, "int32": 4, "int64": 8, "bool": 1,
 }
 
 

@@ -45,7 +45,7 @@ DEFAULT_BUCKET_MB = 25.0
 FIRST_BUCKET_BYTES = 2**20
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
-             "int16": 2, "int32": 4, "int64": 8, "bool": 1}
+             "int16": 2, "uint16": 2, "int32": 4, "int64": 8, "bool": 1}
 
 
 @dataclass(frozen=True)
