@@ -7,16 +7,18 @@ not ``tf.Variable``) are unwrapped through their ``.value``.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from plait.errors import PlaitTypeError
+from plait.errors import MismatchError, PlaitTypeError
 
-__all__ = ["OPS", "TFOps", "collective_function", "executing_eagerly", "graph_position", "unwrap"]
+__all__ = ["OPS", "TFMismatchError", "TFOps", "collective_function", "executing_eagerly",
+           "graph_position", "tf_errors", "unwrap"]
 
 _TO_NAME = {
     tf.float16: "float16", tf.bfloat16: "bfloat16", tf.float32: "float32",
@@ -97,8 +99,12 @@ class TFOps:
         graph = tf.compat.v1.get_default_graph()
         chained = position is not None and not getattr(graph, "building_function", False)
         previous = _LAST_OP.get(graph) if chained else None
+        def host(*args: Any) -> Any:
+            with tf_errors():
+                return fn(*args)
+
         with tf.control_dependencies([previous] if previous is not None else []):
-            out = tf.numpy_function(fn, [unwrap(i) for i in inputs], Tout=like.dtype,
+            out = tf.numpy_function(host, [unwrap(i) for i in inputs], Tout=like.dtype,
                                     stateful=True)
         if chained:
             _LAST_OP[graph] = out.op
@@ -197,6 +203,26 @@ class TFOps:
 
 _POSITIONS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _LAST_OP: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+class TFMismatchError(MismatchError, tf.errors.FailedPreconditionError):
+    """A :class:`~plait.errors.MismatchError` that is also TensorFlow's
+    ``FailedPreconditionError``, the error Horovod's TensorFlow ops raise when ranks
+    disagree (so ``except tf.errors.FailedPreconditionError`` written for Horovod works)."""
+
+    def __init__(self, message: str) -> None:
+        tf.errors.FailedPreconditionError.__init__(self, None, None, message)
+
+
+@contextlib.contextmanager
+def tf_errors() -> Iterator[None]:
+    """Raise a :class:`TFMismatchError` for a :class:`~plait.errors.MismatchError`."""
+    try:
+        yield
+    except TFMismatchError:
+        raise
+    except MismatchError as exc:
+        raise TFMismatchError(str(exc)) from exc
 
 
 def executing_eagerly() -> bool:

@@ -4,6 +4,7 @@ Horovod script on the MPI or the Horovod backend, with Keras 3 variables.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -354,6 +355,25 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         num_groups, groups, process_set, scale_local_gradients, bucket_mb=bucket_mb,
         memory=memory)
 
+
+def _raising_tf_errors(fn: Any) -> Any:
+    """``fn`` raising TensorFlow's ``FailedPreconditionError`` (as a ``MismatchError``
+    subclass) when ranks disagree, as Horovod's TensorFlow ops do."""
+    from plait.adapters.tensorflow import tf_errors
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        with tf_errors():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
+for _name in ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
+              "grouped_allreduce", "grouped_allgather", "grouped_reducescatter", "broadcast_",
+              "broadcast_variables", "barrier", "broadcast_object", "allgather_object"):
+    globals()[_name] = _raising_tf_errors(globals()[_name])
+del _name
 
 #: ``hvd.elastic``: Horovod's elastic mode (``run``, the state objects), on first use.
 __getattr__ = elastic_attribute(__name__, "plait.collectives.horovod_elastic_tf")

@@ -398,6 +398,20 @@ def test_errors_are_the_types_horovod_raises():
     with pytest.raises(hvd.HorovodInternalError, match="shape"):  # ranks disagree on the shape
         hvd.allreduce(torch.ones(hvd.rank() + 1), name="mismatched")
     hvd.barrier()
+    # TensorFlow: Horovod's TF ops raise FailedPreconditionError; plait's is also a MismatchError
+    with pytest.raises(tf.errors.FailedPreconditionError, match="shape") as info:
+        htf.allgather(tf.ones([2, hvd.rank() + 1]))
+    assert isinstance(info.value, plait.MismatchError)
+    htf.barrier()
+
+    @tf.function
+    def mismatched():
+        return htf.allreduce(tf.ones([hvd.rank() + 2]))
+
+    # inside a graph TensorFlow reports any Python error of a host op as UnknownError
+    with pytest.raises(tf.errors.OpError, match="shape"):
+        mismatched()
+    htf.barrier()
     x = torch.ones(4)
     h = hvd.allreduce_async(x, name="dup")
     with pytest.raises(ValueError, match="'dup'"):  # Horovod: a ValueError, raised locally
