@@ -99,7 +99,8 @@ class TFOps:
         graph = tf.compat.v1.get_default_graph()
         chained = position is not None and not getattr(graph, "building_function", False)
         previous = _LAST_OP.get(graph) if chained else None
-        def host(*args: Any) -> Any:
+
+        def host(*args: Any) -> Any:  # a disagreement is TensorFlow's error, as in Horovod
             with tf_errors():
                 return fn(*args)
 
