@@ -514,3 +514,32 @@ def test_import_plait_service_does_not_import_kubernetes() -> None:
             "print('kubernetes' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr
+
+
+def test_serve_takes_the_kubeconfig_and_the_context(api: tuple[FakeAPI, str], tmp_path: Path) -> None:
+    """``plait serve --kubeconfig F --context C`` reaches the cluster of that context (the file's
+    current context is unreachable): a submitted job is POSTed to the fake API server."""
+    server, kubeconfig = api
+    (tmp_path / "code").mkdir()
+    (tmp_path / "code" / "train.py").write_text("print('hi')\n")
+    serve = [sys.executable, "-m", "plait.cli", "serve", "--backend", "kubernetes", "--image", "img",
+             "--code-dir", str(tmp_path / "code"), "--kubeconfig", kubeconfig, "--slots", "2",
+             "--listen", "127.0.0.1:0", "--work-dir", str(tmp_path / "work")]
+    wrong = subprocess.run([*serve, "--context", "nope"], capture_output=True, text=True, timeout=60)
+    assert wrong.returncode == 2 and "nope" in wrong.stderr, wrong.stderr
+    proc = subprocess.Popen([*serve, "--context", "fake"], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
+        assert "listening on" in line and "backend kubernetes, 2 slots" in line, line
+        address = line.split("listening on ")[1].split()[0]
+        submit = subprocess.run([sys.executable, "-m", "plait.cli", "jobs", "--server", address,
+                                 "submit", "--name", "k", "--framework", "torch", "--instances", "2",
+                                 "train.py"], capture_output=True, text=True, timeout=60)
+        assert submit.returncode == 0, submit.stderr
+        _wait(lambda: any(r["method"] == "POST" and r["path"].endswith("/jobs")
+                          for r in server.requests))
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)

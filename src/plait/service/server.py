@@ -225,6 +225,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-code-dir", default="/code",
                    help="kubernetes: where --code-dir's content is in the image (default /code)")
     p.add_argument("--namespace", default="default", help="kubernetes: namespace of the jobs")
+    p.add_argument("--context", help="kubernetes: the kubeconfig context (default: its current one)")
+    p.add_argument("--kubeconfig", metavar="FILE",
+                   help="kubernetes: the kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
     p.add_argument("--abort-grace", type=float, default=10.0, metavar="S",
                    help="seconds the other ranks get after one failed (default 10)")
     return p
@@ -262,7 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not args.image:
                 raise ConfigError("invalid --image=None: the kubernetes backend needs the workers' image")
             slots = args.slots if args.slots is not None else 8
-            backend = KubernetesBackend(slots, args.image, args.code_dir, args.image_code_dir, args.namespace)
+            backend = KubernetesBackend(slots, args.image, args.code_dir, args.image_code_dir,
+                                        args.namespace, context=args.context,
+                                        kubeconfig=args.kubeconfig)
         else:
             backend = HostsBackend(_hosts(args), shlex.split(args.agent) if args.agent else None,
                                    args.network_interface)
