@@ -200,6 +200,8 @@ class MappedHandle:
 
 #: Names of the operations in flight in this process (Horovod's tensor queue is per process).
 _IN_FLIGHT: dict[str, _Named] = {}
+#: Operations started through the faces so far (the number of the last one).
+_STARTED = [0]
 
 
 class _Named:
@@ -208,6 +210,7 @@ class _Named:
     def __init__(self, handle: Handle, name: str) -> None:
         self._handle, self._name = handle, name
         self._finished = False
+        self.number = _STARTED[0]  # its own start (see _claim)
 
     def _release(self) -> None:
         if not self._finished:
@@ -231,20 +234,21 @@ class _Named:
 def _claim(name: str | None) -> None:
     """Raise Horovod's ``ValueError`` when an operation of this name is still in flight.
 
-    Names of operations that completed without being waited on are freed here, when an
-    operation of another name starts (Horovod frees a name when its operation
-    completes; its background cycle makes that at least a cycle after the start, so
-    an immediate reuse of the same name always raises, and does here too)."""
-    for other, handle in list(_IN_FLIGHT.items()):
-        if other != name:
-            try:
-                handle.done()  # releases the name once complete
-            except Exception:  # noqa: BLE001 - it failed: its name is free (its wait raises)
-                handle._release()
+    An operation that completed without being waited on frees its name once an
+    operation of another name started after it (Horovod frees a name when its
+    operation completes; its background cycle makes that at least a cycle after the
+    start, so an immediate reuse of the same name always raises, and does here too)."""
+    held = _IN_FLIGHT.get(name) if name is not None else None
+    if held is not None and held.number < _STARTED[0]:
+        try:
+            held.done()  # releases the name once complete
+        except Exception:  # noqa: BLE001 - it failed: its name is free (its wait raises)
+            held._release()
     if name is not None and name in _IN_FLIGHT:
         raise ConfigError(
             f"an operation named {name!r} is still in flight (not yet synchronized); Horovod "
             "refuses two concurrent operations with the same name: use a different name")
+    _STARTED[0] += 1
 
 
 def _named(handle: Handle, name: str | None) -> Handle:
