@@ -66,6 +66,10 @@ class _Distributed:
                 )
         return hook
 
+    def _plait_zero_grad(self, spec: GradSpec) -> torch.Tensor:
+        """A zero gradient (what this rank contributes to the others' steps once joined)."""
+        return torch.zeros_like(self._plait_params[spec.name])
+
     def _plait_fuse(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's gradients copied into one flat buffer. On the CPU it comes from a
         pool (no step faults in fresh pages; a buffer something still refers to is not
@@ -211,7 +215,8 @@ def distributed_optimizer(
     dist._plait_pool = BufferPool()
     dist._plait_reducer = GradientReducer(comm, specs, op=op, bucket_mb=bucket_mb,
                                           compression=compression, memory=memory, prefix="grad",
-                                          fuse=dist._plait_fuse, check_once=True)
+                                          fuse=dist._plait_fuse, check_once=True,
+                                          zeros=dist._plait_zero_grad)
     dist._plait_params = dict(named)
     dist._plait_counts = {n: 0 for n, _ in named}
     dist._plait_zeros = dict(dist._plait_counts)

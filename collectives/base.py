@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pickle
 import socket
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -260,6 +261,22 @@ class CommunicatorBase:
             out.append(pickle.loads(data[offset : offset + int(n)]))  # noqa: S301
             offset += int(n)
         return out
+
+    def join(self, device: int = -1) -> int:
+        """Horovod's ``join()`` where every rank calls it: wait for all ranks (backends
+        that let joined ranks take part in the others' allreduces override it).
+
+        Args:
+            device: unused (Horovod's GPU for the zeros).
+
+        Returns:
+            The rank that called ``join`` last.
+
+        Raises:
+            MismatchError: when another rank makes a different call.
+        """
+        arrived = self.allgather_object(time.time())
+        return max(range(len(arrived)), key=arrived.__getitem__)
 
     def on_hosts(self, ranks: Sequence[int]) -> str:
         """``"host NAME; "`` or ``"hosts [...]; "`` (each once) of ``ranks`` of this

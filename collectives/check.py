@@ -2,7 +2,7 @@
 
 Before a collective, the ranks compare a 62-bit digest of their call (kind,
 shape, dtype, op, root, name). :func:`verify` reduces it with MIN over
-``[d, -d]``: one tiny allreduce tells every rank whether all digests agree (the
+``[-d, d - 2**62]``: one tiny allreduce tells every rank whether all digests agree (the
 Horovod backend); the MPI backend compares the digests that travel in its header
 allgather. Only on disagreement are the full descriptions allgathered
 (:func:`mismatch`), so the error names every rank's call, on every rank.
@@ -19,10 +19,11 @@ import numpy as np
 
 from plait.errors import MismatchError
 
-__all__ = ["WIDTH", "Call", "mismatch", "verify"]
+__all__ = ["WIDTH", "Call", "agreed", "encode", "mismatch", "verify"]
 
 #: Bytes of description each rank contributes when a mismatch is reported.
 WIDTH = 256
+_BOUND = 1 << 62  # digests are below it
 
 
 @dataclass(frozen=True)
@@ -95,11 +96,22 @@ def verify(
     Raises:
         MismatchError: when any rank's call differs, naming each rank's call.
     """
-    d = call.digest()
-    lo = reduce_min(np.array([d, -d], dtype=np.int64))
-    if int(lo[0]) == -int(lo[1]):
+    if agreed(reduce_min(encode(call))):
         return
     raise mismatch(call, allgather_rows, where)
+
+
+def encode(call: Call) -> np.ndarray:
+    """What a rank contributes to the MIN allreduce of :func:`verify`: ``[-d, d - 2**62]``
+    for the digest ``d``, both negative, so the zeros that ranks which called Horovod's
+    ``join`` contribute change nothing."""
+    d = call.digest()
+    return np.array([-d, d - _BOUND], dtype=np.int64)
+
+
+def agreed(lo: np.ndarray) -> bool:
+    """Whether the MIN over every rank's :func:`encode` shows one digest (max == min)."""
+    return -int(lo[0]) == int(lo[1]) + _BOUND
 
 
 def mismatch(

@@ -24,7 +24,7 @@ from plait.errors import BackendUnavailableError, CollectiveTimeoutError, Mismat
 from plait.protocols import Handle, Tensor, TensorOps
 
 from .base import CommunicatorBase, Done, Pending, check_splits
-from .check import Call, mismatch
+from .check import Call, agreed, encode, mismatch
 
 __all__ = ["HorovodCommunicator", "build_info", "mpi_launched"]
 
@@ -136,6 +136,7 @@ class HorovodCommunicator(CommunicatorBase):
         self._cid = self._w.next_id()
         self._seq = 0
         self._checks = 0  # agreement checks so far: one per call, whatever the call
+        self._joins = 0  # join() calls so far (names the counters' resync after each)
         self.adasum = True
         if _world is None and mpi_launched():
             from .mpi import MPICommunicator
@@ -183,7 +184,7 @@ class HorovodCommunicator(CommunicatorBase):
         self.local_rank, self.local_size = int(self._hvd.local_rank()), int(self._hvd.local_size())
         self.cross_rank, self.cross_size = int(self._hvd.cross_rank()), int(self._hvd.cross_size())
         self.homogeneous = _homogeneous(self._hvd)
-        self._seq = self._checks = 0
+        self._seq = self._checks = self._joins = 0
         self.generation += 1
 
     def _name(self, kind: str, name: str | None = None) -> str:
@@ -321,14 +322,13 @@ class HorovodCommunicator(CommunicatorBase):
                 super()._verify(call)
             return Done(None)
         self._call = call
-        d = call.digest()
-        digest = _from_numpy(self._w.ops, np.array([d, -d], dtype=np.int64))
+        digest = _from_numpy(self._w.ops, encode(call))
         name = self._check_name()
         h = self._hvd.allreduce_async(digest, op=self._hvd.Min, name=name, process_set=self._set)
 
         def wait() -> None:
             lo = np.asarray(self._w.ops.to_numpy(self._wait_torch(h)))
-            if int(lo[0]) != -int(lo[1]):  # several checks may be in flight: report this one
+            if not agreed(lo):  # several checks may be in flight: report this one
                 raise mismatch(call, lambda row: self._raw_allgather_rows(row, name),
                                f"the {self.backend} communicator of size {self.size}")
 
@@ -555,6 +555,27 @@ class HorovodCommunicator(CommunicatorBase):
             self._verify(Call("barrier", (), "none"))
         else:
             self._raw_min(np.zeros(1, dtype=np.int64))
+
+    def join(self, device: int = -1) -> int:
+        """Horovod's ``join()``: with torch, Horovod's own (joined ranks contribute zeros
+        to the others' allreduces); with TensorFlow, whose agreement check runs through
+        MPI, only the case where every rank joins (see ``CommunicatorBase.join``).
+
+        Returns:
+            The rank that joined last.
+        """
+        if self.framework == "torch" and self.size > 1:
+            last = int(self._hvd.join(device))
+            # ranks whose calls failed while others were joined numbered checks and ops
+            # the joined ranks did not: every rank goes on from the largest counts
+            self._joins += 1
+            counts = np.array([self._seq, self._checks], dtype=np.int64)
+            with self._eager():
+                rows = self._raw_allgather_eager(counts.view(np.uint8),
+                                                 f"plait.{self._cid}.join{self._joins}")
+            self._seq, self._checks = (int(c) for c in rows.view(np.int64).reshape(-1, 2).max(0))
+            return last
+        return super().join(device)
 
     # -- point to point (through MPI) ------------------------------------------------------
     def _p2p(self) -> Any:

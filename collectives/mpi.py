@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,6 +47,7 @@ from .base import (
     reducescatter_counts,
 )
 from .check import Call, mismatch
+from .join import ALLREDUCE, JOINED, OTHER, SMALL, STEP, Reduction, describe, read, zeros
 from .pool import BufferPool
 from .ring import Chain, Exchange, Relay, Ring, combiner, segments
 from .tuning import Tuning
@@ -63,7 +65,7 @@ _MPI_TYPES = {
 }
 #: Payload bytes the header carries (a small allreduce travels whole in it).
 SLOT = 1024
-_HEAD = 16  # digest and one number, int64 each
+_HEAD = 24  # digest, one number and the role (see plait.collectives.join), int64 each
 #: Seconds a waiter keeps polling (yielding the CPU) after the last sign of progress.
 SPIN_S = 0.05
 _NAP_S = 2e-4
@@ -175,6 +177,7 @@ class MPICommunicator(CommunicatorBase):
         self._pool = BufferPool()  # outputs, reused once nobody holds them
         self._watchdog = Watchdog(self._stuck, name=f"plait-watchdog-{self.rank}")
         self._ring_seq = 0
+        self._joiners: list[weakref.WeakMethod[Any]] = []  # see serve_joined
         self._calls = 0  # bounded collective waits so far (the "#k" of the timeout report)
         self._asked = 0  # timeouts reported so far (the id of each "who is waiting?")
         self._answers: list[Any] = []  # answers in flight
@@ -364,34 +367,121 @@ class MPICommunicator(CommunicatorBase):
         return out
 
     # -- the header: agreement check, sizes and small payloads in one allgather ---------
-    def _verify(self, call: Call) -> None:
+    def _verify(self, call: Call, payload: np.ndarray | None = None, role: int = OTHER) -> None:
         if self.check and self.size > 1:
-            self._header(call)
+            self._header(call, 0, payload, role)
 
-    def _header(self, call: Call, number: int = 0, payload: np.ndarray | None = None
-                ) -> np.ndarray:
-        """Allgather every rank's call digest, ``number`` and ``payload`` (at most
-        :data:`SLOT` bytes); raise on every rank when the digests differ.
+    def _header(self, call: Call, number: int = 0, payload: np.ndarray | None = None,
+                role: int = OTHER) -> np.ndarray:
+        """Allgather every rank's call digest, ``number``, ``role`` (what a rank that
+        called :meth:`join` does with this call) and ``payload`` (at most :data:`SLOT`
+        bytes); raise on every rank when the digests differ.
 
         Returns:
-            One row per rank: ``[digest, number]`` as int64, then the payload bytes.
+            One row per rank: ``[digest, number, role]`` as int64, then the payload bytes.
 
         Raises:
-            MismatchError: when the ranks' calls differ (with the check on).
+            MismatchError: when the ranks' calls differ (with the check on), or when
+                some ranks joined and this call is not an allreduce.
             CollectiveTimeoutError: when the others do not arrive in time.
         """
+        req, rows = self._header_start(call, number, payload, role)
+        self._poll(req, "a collective")
+        return self._header_check(call, rows, role)
+
+    def _header_start(self, call: Call, number: int, payload: np.ndarray | None,
+                      role: int) -> tuple[Any, np.ndarray]:
         self._call = call
         row = np.zeros(_HEAD + SLOT, dtype=np.uint8)
-        row[:_HEAD].view(np.int64)[:] = (call.digest() if self.check else 0, number)
+        row[:_HEAD].view(np.int64)[:] = (call.digest() if self.check else 0, number, role)
         if payload is not None:
             row[_HEAD : _HEAD + payload.size] = payload
         rows = np.empty((self.size, _HEAD + SLOT), dtype=np.uint8)
-        self._poll(self.comm.Iallgather(row, rows), "a collective")
-        digests = rows.view(np.int64)[:, 0]
-        if self.check and (digests != digests[0]).any():
+        return self.comm.Iallgather(row, rows), rows
+
+    def _header_check(self, call: Call, rows: np.ndarray, role: int) -> np.ndarray:
+        head = rows.view(np.int64)
+        joined = head[:, 2] == JOINED
+        digests = head[~joined, 0]
+        if self.check and digests.size and (digests != digests[0]).any():
             raise mismatch(call, self._raw_allgather_bytes,
                            f"the {self.backend} communicator of size {self.size}")
+        if role == OTHER and joined.any():
+            ranks = np.flatnonzero(joined).tolist()
+            raise MismatchError(
+                f"{self!r}: {call.describe()} while rank(s) {ranks} have called join(); "
+                "joined ranks only take part in allreduce (contributing zeros), as in Horovod")
         return rows
+
+    def serve_joined(self, step: Callable[[], Any]) -> int:
+        """Register a gradient reducer's step for ranks that joined (see :meth:`join`):
+        a reducer that moves its buckets on a private unchecked communicator announces
+        each step with :meth:`step_notice`, and a joined rank then runs ``step``
+        (its own reducer's step with zero gradients). Ranks register in the same order.
+
+        Args:
+            step: a bound method (held weakly: a dropped reducer is forgotten).
+
+        Returns:
+            The key to pass to :meth:`step_notice`.
+        """
+        self._joiners.append(weakref.WeakMethod(step))  # type: ignore[arg-type]
+        return len(self._joiners) - 1
+
+    def step_notice(self, key: int) -> Handle:
+        """Announce a step of the reducer registered as ``key`` to joined ranks (a
+        header, not waited for here); wait for the handle before the step ends.
+
+        Raises (from ``wait()``):
+            MismatchError: when another rank made a different call meanwhile.
+        """
+        call = Call("reducer step", (), "none")
+        if self.size == 1 or not self.check:
+            return Done(None)
+        req, rows = self._header_start(call, key, None, STEP)
+        return self._request(req, lambda: self._header_check(call, rows, STEP), rows,
+                             "the announcement of a gradient reducer's step")
+
+    def join(self, device: int = -1) -> int:
+        """Horovod's ``join()`` (``device`` unused): until every rank has joined, take part in the other
+        ranks' allreduces with zeros (an average still divides by the group's size);
+        their other collectives raise on them meanwhile.
+
+        Returns:
+            The rank that joined last (the highest of those that joined together).
+
+        Raises:
+            ConfigError: with the agreement check off (``PLAIT_CHECK=0``): a joined
+                rank learns the others' calls from the check's header.
+            MismatchError: when the ranks that did not join disagree.
+            CollectiveTimeoutError: when no other rank calls a collective or ``join``
+                within the timeout.
+        """
+        if self.size == 1:
+            return self.rank
+        if not self.check:
+            raise invalid("PLAIT_CHECK", "0", "1 for join(): a joined rank learns the other "
+                          "ranks' calls from the agreement check")
+        first = 1
+        while True:
+            rows = self._header(Call("join", (), "none"), first, role=JOINED)
+            first = 0
+            head = rows.view(np.int64)
+            live = np.flatnonzero(head[:, 2] != JOINED)
+            if live.size == 0:
+                last = np.flatnonzero(head[:, 1] == 1)
+                return int(last.max()) if last.size else self.rank
+            if head[live[0], 2] == STEP:
+                step = self._joiners[int(head[live[0], 1])]()
+                if step is None:
+                    raise MismatchError(f"{self!r}: another rank stepped a gradient reducer "
+                                        "that this rank no longer has (it joined without it)")
+                step()
+            elif head[live[0], 2] == ALLREDUCE:
+                r = read(rows[live[0], _HEAD:])
+                mine = zeros(r)
+                self._allreduce_data(mine, r, None, lambda out: None, mine,
+                                     f"allreduce of {r.size} {r.dtype} while joined").wait()
 
     # -- data movement ---------------------------------------------------------------------
     def _request(self, req: Any, finish: Callable[[], Any], keep: Any, what: str) -> Handle:
@@ -516,7 +606,7 @@ class MPICommunicator(CommunicatorBase):
         if self.size == 1:
             return Done(ops.from_numpy(self._reduced(buf.copy(), op, dtype, ops), tensor))
         if buf.nbytes <= SLOT:  # one round: every rank's tensor travels in the header
-            rows = self._header(call, 0, _flat_bytes(buf))
+            rows = self._header(call, 0, _flat_bytes(buf), SMALL)
             parts = np.ascontiguousarray(rows[:, _HEAD : _HEAD + buf.nbytes]).view(buf.dtype)
             out = parts[0].copy()
             combine = combiner(dtype, op, ops)
@@ -526,36 +616,43 @@ class MPICommunicator(CommunicatorBase):
         algorithm = self.tuning.reduce_algorithm(buf.nbytes, dtype, self.cross_size,
                                                  self.local_size if self._local else 1)
         blocking = sync and algorithm == "mpi" and self.tuning.blocks(self.cross_size)
-        if blocking:
-            self._header(call)  # every rank arrived (with the check off too)
+        reduction = Reduction(dtype, buf.size, op, algorithm, blocking)
+        if blocking:  # every rank arrived (with the check off too)
+            self._header(call, 0, describe(reduction), ALLREDUCE)
         else:
-            self._verify(call)
+            self._verify(call, describe(reduction), ALLREDUCE)
 
-        def finish() -> Tensor:
+        def finish(out: np.ndarray) -> Tensor:
             return ops.from_numpy(self._reduced(out.reshape(buf.shape), op, dtype, ops), tensor)
 
-        what = call.describe()
-        if algorithm != "mpi":
+        return self._allreduce_data(buf, reduction, ops, finish, (buf, tensor), call.describe())
+
+    def _allreduce_data(self, buf: np.ndarray, r: Reduction, kernels: Any,
+                        finish: Callable[[np.ndarray], Any], keep: Any, what: str) -> Handle:
+        """The data phase of an allreduce of ``buf`` (after its header), as ``r`` says;
+        the handle's result is ``finish(out)``."""
+        if r.algorithm != "mpi":
             out = self._pool.empty((buf.size,), buf.dtype)
-            combine = combiner(dtype, op, ops)
+            combine = combiner(r.dtype, r.op, kernels)
             engine: Ring | Chain
-            if algorithm == "hierarchical":
+            if r.algorithm == "hierarchical":
                 engine = self._hierarchical(out, buf.reshape(-1), combine)
             else:
                 engine = self._ring(out, reducescatter_counts(out.size, self.size), "allreduce",
                                     combine, buf.reshape(-1))
-            return self._start(engine, finish, (buf, tensor), what)
+            return self._start(engine, lambda: finish(out), keep, what)
         out = self._pool.empty(buf.shape, buf.dtype)
-        mpi_op = _BOOL[op] if dtype == "bool" else _BUILTIN[op]
-        send, recv = [buf, _MPI_TYPES[dtype]], [out, _MPI_TYPES[dtype]]
-        if blocking:
-            key = self._watchdog.arm(self.timeout, call.describe)
+        mpi_op = _BOOL[r.op] if r.dtype == "bool" else _BUILTIN[r.op]
+        send, recv = [buf, _MPI_TYPES[r.dtype]], [out, _MPI_TYPES[r.dtype]]
+        if r.blocking:
+            key = self._watchdog.arm(self.timeout, lambda: what)
             try:
                 self.comm.Allreduce(send, recv, mpi_op)
             finally:
                 self._watchdog.disarm(key)
-            return Done(finish())
-        return self._request(self.comm.Iallreduce(send, recv, mpi_op), finish, (buf, tensor), what)
+            return Done(finish(out))
+        return self._request(self.comm.Iallreduce(send, recv, mpi_op), lambda: finish(out), keep,
+                             what)
 
     def allgather_async(self, tensor: Tensor, name: str | None = None) -> Handle:
         ops = self._ops(tensor, "allgather")

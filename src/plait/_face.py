@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import importlib
 import sys
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -451,19 +450,17 @@ class Face:
         self._horovod().stop_timeline()
 
     def join(self, device: int = -1) -> int:
-        """Horovod's ``join()``, for the case where every rank calls it: wait for all
-        ranks and return the rank that joined last.
-
-        Horovod also lets the other ranks go on with collectives while joined ranks
-        contribute zeros; plait does not: a rank calling another collective meanwhile
-        gets ``MismatchError`` on every rank (no hang). ``device`` has no effect.
+        """Horovod's ``join()``: a rank out of data joins; until every rank has joined,
+        it contributes zeros to the other ranks' allreduces (an average still divides
+        by the whole group's size), and their other collectives raise
+        :class:`~plait.errors.MismatchError` meanwhile (torch on both backends,
+        TensorFlow on the MPI backend; TensorFlow on the Horovod backend only when
+        every rank joins). ``device`` has no effect.
 
         Returns:
             The global rank that called ``join`` last.
         """
-        comm = runtime.world()
-        arrived = comm.allgather_object(time.time())
-        return max(range(len(arrived)), key=arrived.__getitem__)
+        return runtime.world().join(device)
 
     # -- collectives -------------------------------------------------------------------------
     def allreduce_async(self, tensor: Any, average: bool | None = None, name: str | None = None,

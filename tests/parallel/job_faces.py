@@ -4,6 +4,7 @@ on the world backend chosen by PLAIT_BACKEND (tests/test_jobs.py runs both)."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import time
 import warnings
@@ -631,6 +632,76 @@ def test_join_returns_the_last_rank_to_join_and_timeline_calls():
     else:
         with pytest.raises(NotImplementedError, match="PLAIT_TIMELINE"):
             hvd.start_timeline("/tmp/never.json")
+
+
+def test_joined_ranks_contribute_zeros_to_the_others_allreduces():
+    # Horovod's test_horovod_join_allreduce, with tensors past the header (ring and MPI
+    # paths), sync, async and grouped forms, and every rank joining first in turn
+    n, me = hvd.size(), hvd.rank()
+    for numel, dtype, first in itertools.product((5, 300, 70_000), (torch.float32, torch.int64),
+                                                 range(n)):
+        torch.manual_seed(numel)
+        a = torch.randint(-100, 100, (numel,)).to(dtype)
+        b = torch.randint(-100, 100, (numel, 3)).to(dtype)
+        if me == first:
+            last = hvd.join()
+        else:
+            ha = hvd.allreduce_async(a, name="join.a", average=True)
+            hb = hvd.allreduce_async(b, name="join.b", op=hvd.Sum)
+            avg, total = hvd.synchronize(ha), hvd.synchronize(hb)
+            grouped = hvd.grouped_allreduce([a, b], op=hvd.Sum)
+            last = hvd.join()
+            expect = a * (n - 1)
+            expect = expect / n if dtype.is_floating_point else expect.div(n, rounding_mode="trunc")
+            assert torch.equal(avg, expect.to(dtype))  # an average divides by the whole group
+            assert torch.equal(total, b * (n - 1))
+            assert torch.equal(grouped[0], a * (n - 1)) and torch.equal(grouped[1], b * (n - 1))
+        assert last == (n - 1 if first != n - 1 else n - 2)
+
+
+def test_collectives_other_than_allreduce_raise_while_a_rank_has_joined():
+    t = torch.ones(17, 17)
+    if hvd.rank() == 0:
+        assert hvd.join() == hvd.size() - 1
+        return
+    for call in (lambda: hvd.allgather(t), lambda: hvd.broadcast(t, 1, name="join.bcast")):
+        with pytest.raises(RuntimeError, match="[Jj]oin"):  # Horovod's test catches RuntimeError
+            call()
+    hvd.join()
+
+
+def test_distributed_optimizer_with_uneven_data_and_join():
+    # rank r has 2 + r batches; a rank out of data joins, the others go on stepping with
+    # its zeros in the average (Horovod's pattern for uneven data)
+    n, me = hvd.size(), hvd.rank()
+    torch.manual_seed(0)
+    data = [[torch.randn(4, 3) for _ in range(2 + r)] for r in range(n)]
+    m = torch.nn.Linear(3, 1)
+    w0 = [p.detach().clone() for p in m.parameters()]
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(m.parameters(), lr=0.1),
+                                   named_parameters=m.named_parameters())
+    for x in data[me]:
+        opt.zero_grad()
+        m(x).pow(2).mean().backward()
+        opt.step()
+    hvd.join()
+    ref = torch.nn.Linear(3, 1)  # the serial reference: a missing rank's gradient is zero
+    with torch.no_grad():
+        for p, w in zip(ref.parameters(), w0):
+            p.copy_(w)
+    for step in range(2 + me):
+        grads = []
+        for r in range(n):
+            ref.zero_grad()
+            if step < len(data[r]):
+                ref(data[r][step]).pow(2).mean().backward()
+            grads.append([torch.zeros_like(p) if p.grad is None else p.grad.clone()
+                          for p in ref.parameters()])
+        with torch.no_grad():
+            for i, p in enumerate(ref.parameters()):
+                p -= 0.1 * sum(g[i] for g in grads) / n
+    for p, q in zip(m.parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q)
 
 
 # names of Horovod 0.28's modules that plait leaves out: submodules and internals, and (in

@@ -147,7 +147,8 @@ class GradientReducer:
     def __init__(self, comm: Communicator, specs: Sequence[GradSpec], *, op: str = "average",
                  bucket_mb: float | None = DEFAULT_BUCKET_MB, compression: Any = None,
                  memory: Any = None, prefix: str = "grad",
-                 fuse: Callable[[Bucket], Tensor] | None = None, check_once: bool = False) -> None:
+                 fuse: Callable[[Bucket], Tensor] | None = None, check_once: bool = False,
+                 zeros: Callable[[GradSpec], Tensor] | None = None) -> None:
         start_mb, tune = bucket_setting(bucket_mb, DEFAULT_BUCKET_MB)
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -187,6 +188,13 @@ class GradientReducer:
         self._fast: Communicator | None = None
         self._verified = False
         self._generation = getattr(comm, "generation", 0)
+        # Horovod's join: steps on the private communicator are announced on ``comm``,
+        # where a joined rank then runs this reducer's step with ``zeros``
+        self._zeros = zeros
+        self._join_key = comm.serve_joined(self._joined_step) if (
+            self._check_once and zeros is not None and hasattr(comm, "serve_joined")) else None
+        self._notice: Any = None
+        self._serving = False
 
     def _plan(self, mb: float) -> None:
         self.bucket_mb = mb
@@ -218,6 +226,9 @@ class GradientReducer:
     def _start(self, bucket: Bucket) -> None:
         name = f"{self.prefix}.{bucket.index}"
         comm = self._fast if self._verified and self._fast is not None else self.comm
+        if (comm is self._fast and bucket.index == 0 and self._join_key is not None
+                and not self._serving):
+            self._notice = self.comm.step_notice(self._join_key)  # type: ignore[attr-defined]
         if self._fuse is not None:
             fused = self._fuse(bucket)
             ops = ops_for(fused)
@@ -262,6 +273,9 @@ class GradientReducer:
             bucket.grads.clear()
             bucket.handle = bucket.compressed = None
         self._next = 0
+        if self._notice is not None:
+            notice, self._notice = self._notice, None
+            notice.wait()
         if self.stats is not None and self._counted:
             self.stats.end_step()
             self._counted = False
@@ -274,6 +288,16 @@ class GradientReducer:
         if self.tuner is not None and self.tuner.tuning and out:
             self._tune(out[-1][1])
         return out
+
+    def _joined_step(self) -> None:
+        """This rank called ``join()``: take part in another rank's step with zero
+        gradients (the results are dropped)."""
+        assert self._zeros is not None
+        self._serving = True
+        try:
+            self.finish_buckets(self._zeros)
+        finally:
+            self._serving = False
 
     def finish(self, missing: Callable[[GradSpec], Tensor]) -> dict[str, Tensor]:
         """Start what is left (``missing(spec)`` supplies absent gradients), wait for all.
@@ -367,3 +391,4 @@ class GradientReducer:
             bucket.handle = bucket.compressed = None
         self._next = 0
         self._fast, self._verified = None, False  # groups split before a reset are gone too
+        self._notice = None
