@@ -55,8 +55,8 @@ def reduce_tensor(comm: Communicator, tensor: Any, op: str, name: str | None, co
 
 
 def scale(tensor: Any, factor: float) -> Any:
-    """``tensor * factor`` in the tensor's dtype; integer elements are truncated toward
-    zero, as Horovod scales integer tensors.
+    """``tensor * factor`` in the tensor's dtype, computed as Horovod scales on the CPU:
+    16-bit floats in float32, integers in float64 (truncated toward zero).
 
     Args:
         tensor: a torch, TensorFlow or numpy tensor.
@@ -71,9 +71,10 @@ def scale(tensor: Any, factor: float) -> Any:
 
     ops = ops_for(tensor)
     dtype = ops.dtype_name(tensor)
-    if dtype in ("float16", "bfloat16", "float32", "float64"):
+    if dtype in ("float32", "float64"):
         return tensor * factor
-    return ops.cast(ops.cast(tensor, "float64") * factor, dtype)
+    wide = "float32" if dtype in ("float16", "bfloat16") else "float64"  # Horovod's CPU math
+    return ops.cast(ops.cast(tensor, wide) * factor, dtype)
 
 
 def keep_shape(tensor: Any, out: Any) -> Any:
