@@ -443,9 +443,9 @@ class MPICommunicator(CommunicatorBase):
                              "the announcement of a gradient reducer's step")
 
     def join(self, device: int = -1) -> int:
-        """Horovod's ``join()`` (``device`` unused): until every rank has joined, take part in the other
-        ranks' allreduces with zeros (an average still divides by the group's size);
-        their other collectives raise on them meanwhile.
+        """Horovod's ``join()`` (``device`` unused): until every rank has joined, take
+        part in the other ranks' allreduces with zeros (an average still divides by the
+        group's size); their other collectives raise on them meanwhile.
 
         Returns:
             The rank that joined last (the highest of those that joined together).
