@@ -3,7 +3,8 @@
 Horovod 0.28's ``TensorFlowKerasState`` cannot hold a Keras 3 model (it calls
 ``optimizer.variables()`` and broadcasts Keras variables it cannot take). This
 state can, with Horovod's spelling: ``state = hvd.elastic.KerasState(model,
-epoch=0, batch=0)``, ``@hvd.elastic.run``, and the callbacks
+epoch=0, batch=0)`` (``TensorFlowState(variables, ...)`` for plain variables),
+``@hvd.elastic.run``, and the callbacks
 ``CommitStateCallback``, ``UpdateBatchStateCallback``, ``UpdateEpochStateCallback``
 for ``model.fit``. After a reset the model's compiled train/test/predict functions
 are rebuilt, so graph collectives get the same names on old and new workers.
@@ -31,46 +32,67 @@ from plait.errors import invalid
 from .horovod_elastic import PlaitObjects, elastic_run
 
 __all__ = [
-    "CommitStateCallback", "KerasState", "TensorFlowKerasState", "UpdateBatchStateCallback",
+    "CommitStateCallback", "KerasState", "TensorFlowKerasState", "TensorFlowState",
+    "UpdateBatchStateCallback",
     "UpdateEpochStateCallback", "run",
 ]
 
 
+def _plait_mpi() -> Any:
+    """plait's world communicator, unless it is horovod.tensorflow's (whose elastic reset
+    this module drives): on the MPI backend, or on horovod.torch, horovod.tensorflow is
+    not initialised."""
+    from plait import runtime
+
+    world = runtime.world() if runtime.is_initialized() else None
+    if world is None or (world.backend == "horovod"
+                         and getattr(world, "framework", None) == "tensorflow"):
+        return None
+    return world
+
+
 def _broadcast_object(obj: Any, name: str | None = None) -> Any:
+    world = _plait_mpi()
+    if world is not None:
+        return world.broadcast_object(obj, 0)
     return hvd.broadcast_object(obj, root_rank=0, name=name or "plait.elastic.object")
 
 
-class KerasState(ObjectState):  # type: ignore[misc]
-    """Horovod elastic state of a Keras 3 model, its optimizer and plait state objects.
+def _rank() -> int:
+    world = _plait_mpi()
+    return int(world.rank) if world is not None else int(hvd.rank())
+
+
+class TensorFlowState(ObjectState):  # type: ignore[misc]
+    """Horovod's ``hvd.elastic.TensorFlowState``: elastic state of TensorFlow variables.
 
     Args:
-        model: a built Keras model.
-        optimizer: its optimizer (default: ``model.optimizer``); built here if needed,
-            so new workers hold the same slot variables as old ones.
+        variables: the ``tf.Variable`` objects (eager TensorFlow 2).
+        session: Horovod's TF1 session argument; only None (eager) is supported.
         state: plait state objects by name, committed, restored and synchronised too.
         **kwargs: plain attributes (``epoch=0``, ``batch=0``), exposed as attributes.
 
     Raises:
-        ConfigError: when the model is not built yet.
+        NotImplementedError: for a TF1 ``session``.
+        ConfigError: without variables.
     """
 
-    def __init__(self, model: Any, optimizer: Any = None, state: Mapping[str, Any] | None = None,
-                 **kwargs: Any) -> None:
-        if not getattr(model, "built", False):
-            raise invalid("model", type(model).__name__,
-                          "a built Keras model (call model.build(input_shape) or run it once)")
-        self.model = model
-        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+    def __init__(self, variables: Any = None, session: Any = None,
+                 state: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        if session is not None:
+            raise NotImplementedError("TensorFlowState(session=...): plait's elastic mode runs "
+                                      "eager TensorFlow 2 (Horovod's TF1 session path is gone)")
+        if variables is None:
+            raise invalid("variables", None, "a list of tf.Variable (TF2 has no global "
+                          "variable collection)")
+        self.variables = list(variables)
         self._plait = PlaitObjects(state)
         self._saved_values: list[np.ndarray] = []
         self._save_variables()
-        super().__init__(bcast_object=_broadcast_object, get_rank=hvd.rank, **kwargs)
+        super().__init__(bcast_object=_broadcast_object, get_rank=_rank, **kwargs)
 
     def _variables(self) -> list[Any]:
-        opt = self.optimizer
-        if opt is not None and not opt.built:
-            opt.build(self.model.trainable_variables)
-        return list(self.model.variables) + (list(opt.variables) if opt is not None else [])
+        return self.variables
 
     def _save_variables(self) -> None:
         self._saved_values = [np.array(v.numpy()) for v in self._variables()]
@@ -80,7 +102,7 @@ class KerasState(ObjectState):  # type: ignore[misc]
         variables = self._variables()
         if len(values) != len(variables):
             raise RuntimeError(f"elastic state holds {len(values)} values for {len(variables)} "
-                               "model and optimizer variables: the model changed")
+                               "variables: the model changed")
         for v, value in zip(variables, values):
             v.assign(value)
 
@@ -102,6 +124,36 @@ class KerasState(ObjectState):  # type: ignore[misc]
         self._plait.sync(_broadcast_object)
         self._save_variables()
         super().sync()
+
+
+class KerasState(TensorFlowState):
+    """Horovod elastic state of a Keras 3 model, its optimizer and plait state objects.
+
+    Args:
+        model: a built Keras model.
+        optimizer: its optimizer (default: ``model.optimizer``); built here if needed,
+            so new workers hold the same slot variables as old ones.
+        state: plait state objects by name, committed, restored and synchronised too.
+        **kwargs: plain attributes (``epoch=0``, ``batch=0``), exposed as attributes.
+
+    Raises:
+        ConfigError: when the model is not built yet.
+    """
+
+    def __init__(self, model: Any, optimizer: Any = None, state: Mapping[str, Any] | None = None,
+                 **kwargs: Any) -> None:
+        if not getattr(model, "built", False):
+            raise invalid("model", type(model).__name__,
+                          "a built Keras model (call model.build(input_shape) or run it once)")
+        self.model = model
+        self.optimizer = optimizer if optimizer is not None else getattr(model, "optimizer", None)
+        super().__init__([], state=state, **kwargs)
+
+    def _variables(self) -> list[Any]:
+        opt = self.optimizer
+        if opt is not None and not opt.built:
+            opt.build(self.model.trainable_variables)
+        return list(self.model.variables) + (list(opt.variables) if opt is not None else [])
 
     def reset(self) -> None:
         """After Horovod restarted: drop the model's compiled functions so they are traced

@@ -704,6 +704,25 @@ def test_distributed_optimizer_with_uneven_data_and_join():
         torch.testing.assert_close(p, q)
 
 
+def test_tensorflow_state_syncs_restores_and_commits_variables():
+    # Horovod's hvd.elastic.TensorFlowState over plain variables, on both backends
+    v = 1.0 if htf.rank() == 0 else 2.0
+    variables = [tf.Variable(np.full((2, 2), v)), tf.Variable(np.full(2, v))]
+    state = htf.elastic.TensorFlowState(variables, batch=20 + htf.rank())
+    state.sync()
+    assert [float(x.numpy().max()) for x in variables] == [1.0, 1.0] and state.batch == 20
+    variables[0].assign(np.zeros((2, 2)))
+    state.batch = 21
+    state.restore()
+    assert float(variables[0].numpy().min()) == 1.0 and state.batch == 20
+    variables[0].assign(np.zeros((2, 2)))
+    state.commit()
+    state.restore()
+    assert float(variables[0].numpy().max()) == 0.0
+    with pytest.raises(NotImplementedError, match="session"):
+        htf.elastic.TensorFlowState(variables, session=object())
+
+
 # names of Horovod 0.28's modules that plait leaves out: submodules and internals, and (in
 # README) SyncBatchNormalization, PartialDistributedGradientTape, load_model
 _NOT_FACES = {
