@@ -15,9 +15,9 @@ from typing import Any
 import numpy as np
 import tensorflow as tf
 
-from plait.errors import MismatchError, PlaitTypeError
+from plait.errors import ConfigError, MismatchError, PlaitTypeError
 
-__all__ = ["OPS", "TFMismatchError", "TFOps", "collective_function", "executing_eagerly",
+__all__ = ["OPS", "TFConfigError", "TFMismatchError", "TFOps", "collective_function", "executing_eagerly",
            "graph_position", "tf_errors", "unwrap"]
 
 _TO_NAME = {
@@ -215,15 +215,27 @@ class TFMismatchError(MismatchError, tf.errors.FailedPreconditionError):
         tf.errors.FailedPreconditionError.__init__(self, None, None, message)
 
 
+class TFConfigError(ConfigError, tf.errors.InvalidArgumentError):
+    """A :class:`~plait.errors.ConfigError` that is also TensorFlow's
+    ``InvalidArgumentError``, the error Horovod's TensorFlow ops raise for bad
+    arguments (e.g. ``alltoall`` splits that do not fit the tensor)."""
+
+    def __init__(self, message: str) -> None:
+        tf.errors.InvalidArgumentError.__init__(self, None, None, message)
+
+
 @contextlib.contextmanager
 def tf_errors() -> Iterator[None]:
-    """Raise a :class:`TFMismatchError` for a :class:`~plait.errors.MismatchError`."""
+    """Raise a :class:`TFMismatchError` for a :class:`~plait.errors.MismatchError`, and a
+    :class:`TFConfigError` for a :class:`~plait.errors.ConfigError`."""
     try:
         yield
-    except TFMismatchError:
+    except (TFMismatchError, TFConfigError):
         raise
     except MismatchError as exc:
         raise TFMismatchError(str(exc)) from exc
+    except ConfigError as exc:
+        raise TFConfigError(str(exc)) from exc
 
 
 def executing_eagerly() -> bool:

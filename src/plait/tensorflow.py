@@ -5,6 +5,7 @@ Horovod script on the MPI or the Horovod backend, with Keras 3 variables.
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,7 +43,8 @@ __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedGradientTape",
     "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "ProcessSet", "Product", "Sum",
     "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall", "backend",
-    "barrier", "broadcast", "broadcast_", "broadcast_object", "broadcast_variables", "ccl_built",
+    "barrier", "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_object",
+    "broadcast_variables", "ccl_built",
     "cross_rank", "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built",
     "gloo_enabled", "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "init",
     "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op", "local_size",
@@ -266,6 +268,26 @@ def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: A
     tf_optim.broadcast_variables(list(variables), comm, root)
 
 
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Horovod's TF1 ``broadcast_global_variables``: inside a graph, an op assigning
+    ``root_rank``'s values to every global variable.
+
+    Returns:
+        The op (``tf.group`` of the assignments), to run in the session.
+
+    Raises:
+        RuntimeError: when executing eagerly (as Horovod: there are no global variables;
+            use :func:`broadcast_variables`).
+    """
+    import tensorflow as tf
+
+    if _executing_eagerly():
+        raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution; "
+                           "use hvd.broadcast_variables(<model/optimizer variables>, root_rank)")
+    return tf.group(*[v.assign(broadcast(v, root_rank, name=f"global.{v.name}"))
+                      for v in tf.compat.v1.global_variables()])
+
+
 def DistributedGradientTape(  # noqa: N802 - Horovod's name
     gradtape: Any, device_dense: str = "", device_sparse: str = "",
     compression: Any = Compression.none, sparse_as_dense: bool = False, op: str = Average,
@@ -371,9 +393,14 @@ def _raising_tf_errors(fn: Any) -> Any:
 
 for _name in ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter",
               "grouped_allreduce", "grouped_allgather", "grouped_reducescatter", "broadcast_",
-              "broadcast_variables", "barrier", "broadcast_object", "allgather_object"):
+              "broadcast_variables", "broadcast_global_variables", "barrier", "broadcast_object",
+              "allgather_object"):
     globals()[_name] = _raising_tf_errors(globals()[_name])
 del _name
+
+#: ``hvd.util``: the helpers of ``horovod.tensorflow.util`` that scripts and tests call.
+util = types.ModuleType(f"{__name__}.util", "Horovod's horovod.tensorflow.util helpers.")
+util._executing_eagerly = _executing_eagerly  # type: ignore[attr-defined]
 
 #: ``hvd.elastic``: Horovod's elastic mode (``run``, the state objects), on first use.
 __getattr__ = elastic_attribute(__name__, "plait.collectives.horovod_elastic_tf")
