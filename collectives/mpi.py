@@ -178,6 +178,7 @@ class MPICommunicator(CommunicatorBase):
         self._watchdog = Watchdog(self._stuck, name=f"plait-watchdog-{self.rank}")
         self._ring_seq = 0
         self._joiners: list[weakref.WeakMethod[Any]] = []  # see serve_joined
+        self._abandoned: list[Any] = []  # requests given up on (timeouts), with their buffers
         self._calls = 0  # bounded collective waits so far (the "#k" of the timeout report)
         self._asked = 0  # timeouts reported so far (the id of each "who is waiting?")
         self._answers: list[Any] = []  # answers in flight
@@ -269,10 +270,16 @@ class MPICommunicator(CommunicatorBase):
             time.sleep(_NAP_S)
 
     def _poll(self, req: Any, what: str) -> None:
-        """Wait for ``req``, raising if the group does not complete it in time."""
+        """Wait for ``req``, raising if the group does not complete it in time (the
+        request is then kept: mpi4py holds its buffers, which MPI may still write into
+        once a late rank arrives; freed, they were reused and a later test crashed)."""
         self._calls += 1
         seq = self._calls
-        self._wait_until(req.Test, lambda: self._timeout_report(what, seq), seq)
+        try:
+            self._wait_until(req.Test, lambda: self._timeout_report(what, seq), seq)
+        except BaseException:
+            self._abandoned.append(req)
+            raise
 
     def _stuck(self, what: str) -> None:
         """A blocking call outlived the timeout (the watchdog's thread): end the job."""
