@@ -723,6 +723,23 @@ def test_tensorflow_state_syncs_restores_and_commits_variables():
         htf.elastic.TensorFlowState(variables, session=object())
 
 
+def test_tf_face_errors_util_and_global_variables_as_horovod():
+    n = htf.size()
+    with pytest.raises(tf.errors.InvalidArgumentError, match="splits"):  # Horovod's error type
+        htf.alltoall(tf.ones([n + 1]))
+    assert htf.util._executing_eagerly()
+    with pytest.raises(RuntimeError, match="eager"):
+        htf.broadcast_global_variables(0)
+    with tf.Graph().as_default():
+        assert not htf.util._executing_eagerly()
+        v = tf.compat.v1.Variable(float(htf.rank() + 1))
+        op = htf.broadcast_global_variables(0)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            sess.run(op)
+            assert sess.run(v) == 1.0
+
+
 # names of Horovod 0.28's modules that plait leaves out: submodules and internals, and (in
 # README) SyncBatchNormalization, PartialDistributedGradientTape, load_model
 _NOT_FACES = {
