@@ -15,7 +15,7 @@ import concurrent.futures
 import contextlib
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,22 @@ _BOOL_OPS = {"sum": "max", "max": "max", "min": "min", "product": "min"}
 def mpi_launched() -> bool:
     """True when an MPI launcher (mpirun, or horovodrun in MPI mode) started this process."""
     return any(k in os.environ for k in ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK"))
+
+
+@contextlib.contextmanager
+def _tf_eager() -> Iterator[None]:
+    """Execute TensorFlow eagerly inside: out of a ``tf.function`` being traced
+    (``tf.init_scope``), and out of a TF1 graph (eager mode, which ``init_scope`` keeps
+    off there)."""
+    import tensorflow as tf
+    from tensorflow.python.eager import context
+
+    with tf.init_scope():
+        if tf.executing_eagerly():
+            yield
+            return
+    with context.eager_mode():
+        yield
 
 
 def build_info(framework: str = "torch") -> dict[str, bool]:
@@ -360,12 +376,11 @@ class HorovodCommunicator(CommunicatorBase):
     # -- raw primitives ------------------------------------------------------------------
     def _eager(self) -> contextlib.AbstractContextManager[Any]:
         """Run raw primitives eagerly, also while a ``tf.function`` is traced (so the
-        agreement check of a graph op happens once, when the graph is built)."""
+        agreement check of a graph op happens once, when the graph is built) and while
+        a TF1 ``tf.Graph`` is the default (its tensors cannot reach Horovod's eager ops)."""
         if self.framework != "tensorflow":
             return contextlib.nullcontext()
-        import tensorflow as tf
-
-        return tf.init_scope()
+        return _tf_eager()
 
     def _timed_out(self, what: str | None = None) -> CollectiveTimeoutError:
         """The timeout error, naming ``what`` was waited for (default: the agreement
