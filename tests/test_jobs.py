@@ -24,6 +24,7 @@ JOBS = [
     ("mpirun", 3, "job_dp_torch.py", {}),
     ("horovodrun-gloo", 2, "job_dp_torch.py", {}),
     ("horovodrun-gloo", 2, "job_hvd_reset.py", {"PLAIT_BACKEND": "horovod", "PLAIT_BUCKET_MB": "0"}),
+    ("horovodrun-gloo", 2, "job_tf_graph_gloo.py", {"PLAIT_BACKEND": "horovod"}),
     ("mpirun", 2, "job_compression.py", {}),
     ("mpirun", 2, "job_dp_tf.py", {}),
     ("mpirun", 2, "job_faces.py", {"PLAIT_BACKEND": "mpi"}),
