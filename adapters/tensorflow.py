@@ -8,6 +8,7 @@ not ``tf.Variable``) are unwrapped through their ``.value``.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -105,17 +106,25 @@ class TFOps:
                 return fn(*args)
 
         with tf.control_dependencies([previous] if previous is not None else []):
-            out = tf.numpy_function(host, [unwrap(i) for i in inputs], Tout=like.dtype,
-                                    stateful=True)
+            if chained:  # a TF1 graph: a disagreement raises FailedPreconditionError
+                out, failed = tf.numpy_function(_reporting(host, like.dtype),
+                                                [unwrap(i) for i in inputs],
+                                                Tout=[like.dtype, tf.int32], stateful=True)
+            else:
+                out = tf.numpy_function(host, [unwrap(i) for i in inputs], Tout=like.dtype,
+                                        stateful=True)
+        op = out.op
         if chained:
-            _LAST_OP[graph] = out.op
+            _LAST_OP[graph] = op
+            out = tf.cond(tf.equal(failed, 0), lambda: tf.identity(out),
+                          lambda: _failed_precondition(out))
         if bind is not None and position is not None:
             from plait.collectives.graph_order import graph_key
 
             # built in order: a TF1 graph's chain, or a tf.function's automatic control
             # dependencies (stateful ops run in program order); not a TF1 cond branch
             in_order = chained or position[2]
-            bind(graph_key(*position[:2]), f"{position[0]}/{out.op.name}", in_order)
+            bind(graph_key(*position[:2]), f"{position[0]}/{op.name}", in_order)
         if same_shape:
             out.set_shape(like.shape)
         else:
@@ -236,6 +245,34 @@ def tf_errors() -> Iterator[None]:
         raise TFMismatchError(str(exc)) from exc
     except ConfigError as exc:
         raise TFConfigError(str(exc)) from exc
+
+
+#: Read when ranks disagree inside a TF1 graph: this variable never exists, and TensorFlow
+#: raises FailedPreconditionError naming it (the full report goes to stderr first).
+_DISAGREE = "plait_ranks_called_different_collectives__each_rank_printed_its_call_on_stderr"
+
+
+def _reporting(host: Callable[..., Any], dtype: Any) -> Callable[..., Any]:
+    """``host`` returning ``(result, 0)``, or, when the ranks disagree, ``(zeros, 1)``
+    after printing the disagreement (a Python error inside a graph is only ever
+    TensorFlow's UnknownError; Horovod's ops raise FailedPreconditionError)."""
+
+    def run(*args: Any) -> Any:
+        try:
+            return host(*args), np.int32(0)
+        except TFMismatchError as exc:
+            print(f"plait: {exc}", file=sys.stderr, flush=True)
+            shape = np.shape(args[0]) if args else ()
+            return np.zeros(shape, dtype=dtype.as_numpy_dtype), np.int32(1)
+
+    return run
+
+
+def _failed_precondition(out: tf.Tensor) -> tf.Tensor:
+    """``out``, after reading a variable that does not exist: FailedPreconditionError."""
+    handle = tf.raw_ops.VarHandleOp(dtype=tf.int32, shape=[], shared_name=_DISAGREE)
+    read = tf.raw_ops.ReadVariableOp(resource=handle, dtype=tf.int32)
+    return tf.where(tf.equal(read, 0), out, out)  # a data dependency: it runs
 
 
 def executing_eagerly() -> bool:

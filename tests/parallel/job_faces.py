@@ -409,9 +409,15 @@ def test_errors_are_the_types_horovod_raises():
     def mismatched():
         return htf.allreduce(tf.ones([hvd.rank() + 2]))
 
-    # inside a graph TensorFlow reports any Python error of a host op as UnknownError
+    # inside a tf.function TensorFlow reports any Python error of a host op as UnknownError
     with pytest.raises(tf.errors.OpError, match="shape"):
         mismatched()
+    htf.barrier()
+    with tf.Graph().as_default():  # in a TF1 graph: FailedPreconditionError, as Horovod's
+        op = htf.allreduce(tf.ones([hvd.rank() + 2]))
+        with tf.compat.v1.Session() as sess, pytest.raises(tf.errors.FailedPreconditionError,
+                                                            match="different_collectives"):
+            sess.run(op)
     htf.barrier()
     x = torch.ones(4)
     h = hvd.allreduce_async(x, name="dup")
