@@ -131,6 +131,9 @@ class GradientReducer:
             the checked step verified), so starting a bucket never waits for the
             other ranks in the middle of backward. ``PLAIT_BUCKET_CHECK=always``
             checks every step.
+        zeros: a zero gradient for a spec; with ``check_once``, lets a rank that called
+            Horovod's ``join()`` take part in the other ranks' steps (each step is then
+            announced on ``comm``, see ``MPICommunicator.serve_joined``).
 
     Traffic is counted into ``compression.stats`` when the compressor has one
     (:meth:`~plait.compression.Compressor.count_into`; a :class:`NoneCompressor`
