@@ -175,6 +175,7 @@ class GradientReducer:
             start_mb, tune = 0.0, False  # e.g. PowerSGD: factorises each gradient in its own shape
         self._specs = list(specs)
         self._fuse = fuse if self._plain else None
+        self._tune_on = tune
         self.tuner = BucketTuner() if tune and comm.size > 1 else None
         self._tried: list[list[list[str]]] = []
         self.bucket_mb = start_mb
@@ -395,3 +396,11 @@ class GradientReducer:
         self._next = 0
         self._fast, self._verified = None, False  # groups split before a reset are gone too
         self._notice = None
+        if self._tune_on:  # tune again with the new members, in step with a worker that
+            # just joined (its tuner is new: an old decision left it alone in the agreeing
+            # allreduce, waiting for the timeout, measured)
+            self.tuner = BucketTuner() if self.comm.size > 1 else None
+            self._tried, self._last = [], None
+            self._plan(self.tuner.current if self.tuner is not None else self.bucket_mb)
+            if self.tuner is not None:
+                self._same_plan(self.tuner.current)
