@@ -295,8 +295,13 @@ class GradientReducer:
 
     def _joined_step(self) -> None:
         """This rank called ``join()``: take part in another rank's step with zero
-        gradients (the results are dropped)."""
-        assert self._zeros is not None
+        gradients (the results are dropped).
+
+        Raises:
+            RuntimeError: for a reducer made without ``zeros`` (it is never registered).
+        """
+        if self._zeros is None:
+            raise RuntimeError("a joined rank stepped a gradient reducer made without zeros=")
         self._serving = True
         try:
             self.finish_buckets(self._zeros)
