@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -25,6 +24,7 @@ from plait.protocols import Handle, Tensor, TensorOps
 
 from .base import CommunicatorBase, Done, Pending, check_splits
 from .check import Call, agreed, encode, mismatch
+from .horovod_wait import BlockingWaits
 
 __all__ = ["HorovodCommunicator", "build_info", "mpi_launched"]
 
@@ -106,6 +106,7 @@ class _World:
         self.sets: dict[tuple[int, ...], Any] = {}
         self.communicators = 0
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
+        self.waits = BlockingWaits(self.hvd.synchronize, "plait-hvd-wait")
 
     def worker(self) -> concurrent.futures.ThreadPoolExecutor:
         """One daemon-like thread for blocking library calls that need a timeout."""
@@ -357,14 +358,13 @@ class HorovodCommunicator(CommunicatorBase):
         """``hvd.synchronize(started)``, raising :class:`CollectiveTimeoutError` after
         ``self.timeout`` seconds (Horovod's own wait has no timeout)."""
         hvd = self._hvd
-        deadline = time.monotonic() + self.timeout
-        spins = 0
-        while not hvd.poll(started):
-            spins += 1
-            if time.monotonic() > deadline:
-                raise self._timed_out(what)
-            time.sleep(min(1e-3, 1e-6 * spins))
-        return hvd.synchronize(started)
+        if hvd.poll(started):
+            return hvd.synchronize(started)
+        try:  # blocked in Horovod's own wait, on another thread: no CPU taken from
+            # Horovod's background thread (polling here cost 3.5 ms of an 11 ms allreduce)
+            return self._w.waits.wait(started, self.timeout)
+        except TimeoutError:
+            raise self._timed_out(what) from None
 
     def _wait_future(self, future: concurrent.futures.Future[Any], what: str) -> None:
         """Wait for an op running on the worker thread, at most ``self.timeout`` seconds."""
