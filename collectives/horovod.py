@@ -106,7 +106,9 @@ class _World:
         self.sets: dict[tuple[int, ...], Any] = {}
         self.communicators = 0
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
-        self.waits = BlockingWaits(self.hvd.synchronize, "plait-hvd-wait")
+        # horovod.torch's handles (horovod.tensorflow has none)
+        self.waits = (BlockingWaits(self.hvd.synchronize, "plait-hvd-wait")
+                      if framework == "torch" else None)
 
     def worker(self) -> concurrent.futures.ThreadPoolExecutor:
         """One daemon-like thread for blocking library calls that need a timeout."""
@@ -362,7 +364,7 @@ class HorovodCommunicator(CommunicatorBase):
             return hvd.synchronize(started)
         try:  # blocked in Horovod's own wait, on another thread: no CPU taken from
             # Horovod's background thread (polling here cost 3.5 ms of an 11 ms allreduce)
-            return self._w.waits.wait(started, self.timeout)
+            return self._w.waits.wait(started, self.timeout)  # type: ignore[union-attr]
         except TimeoutError:
             raise self._timed_out(what) from None
 
