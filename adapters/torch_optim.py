@@ -107,6 +107,10 @@ class _Distributed:
         plain = self._plait_reducer.plain
         with torch.no_grad():
             for specs, fused in self._plait_reducer.finish_buckets(missing):
+                if isinstance(fused, list):  # one grouped allreduce: the gradients themselves
+                    for spec, grad in zip(specs, fused):
+                        params[spec.name].grad = grad * scale if scale != 1.0 else grad
+                    continue
                 if scale != 1.0:
                     fused = fused * scale
                 if len(specs) == 1 and fused.dim() != 1:
@@ -216,7 +220,7 @@ def distributed_optimizer(
     dist._plait_reducer = GradientReducer(comm, specs, op=op, bucket_mb=bucket_mb,
                                           compression=compression, memory=memory, prefix="grad",
                                           fuse=dist._plait_fuse, check_once=True,
-                                          zeros=dist._plait_zero_grad)
+                                          zeros=dist._plait_zero_grad, group=True)
     dist._plait_params = dict(named)
     dist._plait_counts = {n: 0 for n, _ in named}
     dist._plait_zeros = dict(dist._plait_counts)

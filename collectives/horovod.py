@@ -486,6 +486,36 @@ class HorovodCommunicator(CommunicatorBase):
         """Allreduce several tensors in one Horovod grouped call where types allow."""
         return super().grouped_allreduce(tensors, op, name)
 
+    def group_allreduce_async(self, tensors: Sequence[Tensor], op: str = "average",
+                              name: str | None = None) -> Handle | None:
+        """One Horovod grouped allreduce of torch tensors that Horovod reduces as they
+        are: Horovod copies them into its fusion buffer on its own background thread,
+        so the caller need not fuse them (a data-parallel bucket).
+
+        Args:
+            tensors: torch tensors of one dtype (float16, float32 or float64).
+            op: "average" or "sum".
+            name: names the group.
+
+        Returns:
+            A handle whose ``wait()`` gives the reduced tensors (new ones), or None
+            where Horovod cannot take them as they are (another framework, dtype or
+            op, mixed dtypes): the caller then fuses them itself.
+        """
+        if self.framework != "torch" or op not in ("average", "sum") or not tensors:
+            return None
+        ops = self._w.ops
+        if not all(ops.owns(t) for t in tensors):
+            return None
+        dtypes = {ops.dtype_name(t) for t in tensors}
+        if len(dtypes) != 1 or not dtypes <= {"float16", "float32", "float64"}:
+            return None
+        total = sum(int(t.numel()) for t in tensors)
+        call = Call("allreduce", (len(tensors), total), dtypes.pop(), op=op, name=name)
+        native = [t.contiguous() for t in tensors]
+        return self._start("grouped_allreduce", call, list, native, name=self._name("grouped", name),
+                           op=self._ops_map[op], process_set=self._set)
+
     def allgather_async(self, tensor: Tensor, name: str | None = None) -> Handle:
         ops = self._ops(tensor, "allgather")
         dtype = ops.dtype_name(tensor)

@@ -134,6 +134,11 @@ class GradientReducer:
         zeros: a zero gradient for a spec; with ``check_once``, lets a rank that called
             Horovod's ``join()`` take part in the other ranks' steps (each step is then
             announced on ``comm``, see ``MPICommunicator.serve_joined``).
+        group: without compression, hand each bucket's gradients to the communicator's
+            ``group_allreduce_async`` where it has one and takes them (Horovod's torch
+            ops: Horovod fuses them on its own background thread, no copy into a fused
+            buffer here); :meth:`finish_buckets` then gives such a bucket's reduced
+            gradients as a list.
 
     Traffic is counted into ``compression.stats`` when the compressor has one
     (:meth:`~plait.compression.Compressor.count_into`; a :class:`NoneCompressor`
@@ -151,7 +156,7 @@ class GradientReducer:
                  bucket_mb: float | None = DEFAULT_BUCKET_MB, compression: Any = None,
                  memory: Any = None, prefix: str = "grad",
                  fuse: Callable[[Bucket], Tensor] | None = None, check_once: bool = False,
-                 zeros: Callable[[GradSpec], Tensor] | None = None) -> None:
+                 zeros: Callable[[GradSpec], Tensor] | None = None, group: bool = False) -> None:
         start_mb, tune = bucket_setting(bucket_mb, DEFAULT_BUCKET_MB)
         names = [s.name for s in specs]
         if len(set(names)) != len(names):
@@ -175,6 +180,7 @@ class GradientReducer:
             start_mb, tune = 0.0, False  # e.g. PowerSGD: factorises each gradient in its own shape
         self._specs = list(specs)
         self._fuse = fuse if self._plain else None
+        self._group = group and hasattr(comm, "group_allreduce_async")
         self._tune_on = tune
         self.tuner = BucketTuner() if tune and comm.size > 1 else None
         self._tried: list[list[list[str]]] = []
@@ -233,6 +239,16 @@ class GradientReducer:
         if (comm is self._fast and bucket.index == 0 and self._join_key is not None
                 and not self._serving):
             self._notice = self.comm.step_notice(self._join_key)  # type: ignore[attr-defined]
+        if self._group and self._plain:
+            grads = [bucket.grads[s.name] for s in bucket.specs]
+            handle = comm.group_allreduce_async(grads, op=self.op, name=name)  # type: ignore[attr-defined]
+            if handle is not None:
+                bucket.handle = handle
+                self._counted = self.stats is not None
+                if self.stats is not None:
+                    size = sum(nbytes(g) for g in grads)
+                    self.stats.record(name, size, size)
+                return
         if self._fuse is not None:
             fused = self._fuse(bucket)
             ops = ops_for(fused)
@@ -262,7 +278,8 @@ class GradientReducer:
 
         Returns:
             ``(specs, reduced flat tensor)`` of every bucket (a bucket of one gradient
-            with a compressor: the tensor in its own shape).
+            with a compressor: the tensor in its own shape; a bucket reduced as a group,
+            see ``group``: the list of its reduced gradients).
         """
         self._drop_stale()
         for bucket in self.buckets[self._next:]:
@@ -290,7 +307,8 @@ class GradientReducer:
                 fast.check = False  # type: ignore[attr-defined]
                 self._fast = fast
         if self.tuner is not None and self.tuner.tuning and out:
-            self._tune(out[-1][1])
+            last = out[-1][1]
+            self._tune(last[0] if isinstance(last, list) else last)
         return out
 
     def _joined_step(self) -> None:
@@ -318,6 +336,9 @@ class GradientReducer:
         """
         out: dict[str, Tensor] = {}
         for specs, fused in self.finish_buckets(missing):
+            if isinstance(fused, list):  # reduced as a group
+                out.update((spec.name, grad) for spec, grad in zip(specs, fused))
+                continue
             ops = ops_for(fused)
             sizes = [s.numel for s in specs]
             parts = [fused] if len(sizes) == 1 else ops.split(fused, sizes)
