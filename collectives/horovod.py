@@ -99,6 +99,10 @@ class _World:
             from mpi4py import MPI  # noqa: F401  (MPI first, at THREAD_MULTIPLE)
         self.framework = framework
         self.hvd = _import(framework)
+        # plait names every op anew (a sequence number), so Horovod's response cache
+        # would never hit: it filled up and warned of each eviction (after ~1000 ops).
+        # Off unless the user sets it.
+        os.environ.setdefault("HOROVOD_CACHE_CAPACITY", "0")
         self.hvd.init(process_sets="dynamic")
         from plait.adapters import adapter
 

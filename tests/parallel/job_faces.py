@@ -35,6 +35,13 @@ def test_world_queries_match_the_launcher():
     assert hvd.mpi_threads_supported()
 
 
+def test_horovods_response_cache_is_off_on_the_horovod_backend():
+    """plait names every Horovod op anew: a response cache would only fill up and warn of
+    each eviction in every long job (seen in the synthetic benchmark's output)."""
+    if hvd.backend() == "horovod":
+        assert os.environ.get("HOROVOD_CACHE_CAPACITY") == "0"
+
+
 def test_torch_collectives_with_horovod_signatures():
     r, n = hvd.rank(), hvd.size()
     x = torch.full((3,), float(r + 1))
