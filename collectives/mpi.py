@@ -402,7 +402,7 @@ class MPICommunicator(CommunicatorBase):
                       role: int) -> tuple[Any, np.ndarray]:
         self._call = call
         row = np.zeros(_HEAD + SLOT, dtype=np.uint8)
-        _HEAD_FORMAT.pack_into(row, 0, call.digest() if self.check else 0, number, role)
+        _HEAD_FORMAT.pack_into(row.data, 0, call.digest() if self.check else 0, number, role)
         if payload is not None:
             row[_HEAD : _HEAD + payload.size] = payload
         rows = np.empty((self.size, _HEAD + SLOT), dtype=np.uint8)
