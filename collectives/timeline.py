@@ -392,6 +392,22 @@ class ObservedCommunicator:
             rec.args["bytes"] = sum(_describe(t).get("bytes", 0) for t in tensors)
         return self._sync(rec, lambda: self._inner.grouped_allreduce(tensors, op, name))  # type: ignore[no-any-return]
 
+    def group_allreduce_async(self, tensors: Sequence[Tensor], op: str = "average",
+                              name: str | None = None) -> Handle | None:
+        """A gradient bucket reduced as one group where the backend takes it (see
+        ``HorovodCommunicator.group_allreduce_async``), recorded as one allreduce of
+        ``name``; None (nothing recorded) where it does not."""
+        group = getattr(self._inner, "group_allreduce_async", None)
+        enqueued = _now_us()
+        handle = group(tensors, op, name) if group is not None else None
+        if handle is None:
+            return None
+        rec = self._begin("allreduce", None, name, op=op, count=len(tensors))
+        if self._rec is not None:
+            rec.args["bytes"] = sum(_describe(t).get("bytes", 0) for t in tensors)
+        rec.t_enq, rec.t_start = enqueued, _now_us()
+        return _TracedHandle(handle, rec)
+
     def allgather_async(self, tensor: Tensor, name: str | None = None) -> Handle:
         rec = self._begin("allgather", tensor, name)
         return self._async(rec, lambda: self._inner.allgather_async(tensor, name))
