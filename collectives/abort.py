@@ -42,7 +42,7 @@ from typing import Any
 from plait.errors import CollectiveTimeoutError, MismatchError, invalid
 
 __all__ = ["ABORT_CODE", "EXIT_GRACE_S", "LAUNCHER_GRACE_S", "LAUNCHERS", "end_job", "install",
-           "installed", "launcher_pid"]
+           "installed", "launcher_pid", "reaper_argv"]
 
 #: Exit status of a rank ended by :func:`install`'s hook (and of a job it aborted).
 ABORT_CODE = 3
@@ -127,15 +127,31 @@ exit 0
 """
 
 
-def _reap_launcher_later(rank: str, grace: float) -> None:
-    """Start the detached reaper of this rank's launcher (if its parent is one)."""
+def reaper_argv(rank: str, grace: float = LAUNCHER_GRACE_S) -> list[str]:
+    """The command of a reaper of this rank's launcher: after ``grace`` seconds, if that
+    launcher is still alive, it says why on stderr and ends it (see the module's text).
+
+    Args:
+        rank: names the rank in the message.
+        grace: seconds the launcher gets to end the job by itself.
+
+    Returns:
+        The argv, or an empty list when this process's parent is not a launcher.
+    """
     pid = launcher_pid()
     start = _start_time(pid) if pid is not None else None
     if pid is None or start is None:
+        return []
+    return ["sh", "-c", _REAPER, "plait-reaper", str(pid), start, f"{grace:g}", rank]
+
+
+def _reap_launcher_later(rank: str, grace: float) -> None:
+    """Start the detached reaper of this rank's launcher (if its parent is one)."""
+    argv = reaper_argv(rank, grace)
+    if not argv:
         return
     with contextlib.suppress(OSError):
-        subprocess.Popen(["sh", "-c", _REAPER, "plait-reaper", str(pid), start, f"{grace:g}", rank],
-                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+        subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                          start_new_session=True, close_fds=True)
 
 

@@ -22,9 +22,11 @@ import numpy as np
 from plait.errors import BackendUnavailableError, CollectiveTimeoutError, MismatchError, invalid
 from plait.protocols import Handle, Tensor, TensorOps
 
+from .abort import reaper_argv
 from .base import CommunicatorBase, Done, Pending, check_splits
 from .check import Call, agreed, encode, mismatch
 from .horovod_wait import BlockingWaits
+from .outside_watchdog import OutsideWatchdog
 
 __all__ = ["HorovodCommunicator", "build_info", "mpi_launched"]
 
@@ -112,6 +114,10 @@ class _World:
         self._worker: concurrent.futures.ThreadPoolExecutor | None = None
         # horovod.torch's handles (horovod.tensorflow has none)
         self.waits = (BlockingWaits(self.hvd.synchronize, "plait-hvd-wait")
+                      if framework == "torch" else None)
+        # starting a horovod.torch op keeps the GIL and can block (see _enqueue); after
+        # it killed this rank, the guard ends a raw mpirun that cannot end the job
+        self.guard = (OutsideWatchdog(then=reaper_argv(str(self.hvd.rank())))
                       if framework == "torch" else None)
 
     def worker(self) -> concurrent.futures.ThreadPoolExecutor:
@@ -299,7 +305,7 @@ class HorovodCommunicator(CommunicatorBase):
         checked = self._check_async(call)
         what = f"{call.describe()} (Horovod op {kwargs.get('name')!r})"
         if self.framework == "torch":
-            started = getattr(hvd, f"{fn}_async")(*args, **kwargs)
+            started = self._enqueue(fn, what, *args, **kwargs)
             result: list[Any] = []
 
             def wait_torch() -> None:
@@ -347,7 +353,8 @@ class HorovodCommunicator(CommunicatorBase):
         self._call = call
         digest = _from_numpy(self._w.ops, encode(call))
         name = self._check_name()
-        h = self._hvd.allreduce_async(digest, op=self._hvd.Min, name=name, process_set=self._set)
+        h = self._enqueue("allreduce", f"the agreement check {name!r}", digest, op=self._hvd.Min,
+                          name=name, process_set=self._set)
 
         def wait() -> None:
             lo = np.asarray(self._w.ops.to_numpy(self._wait_torch(h)))
@@ -359,6 +366,36 @@ class HorovodCommunicator(CommunicatorBase):
 
     def _verify(self, call: Call) -> None:
         self._check_async(call).wait()
+
+    def _enqueue(self, fn: str, what: str, *args: Any, **kwargs: Any) -> Any:
+        """Start horovod.torch's ``{fn}_async``, bounded by ``self.timeout`` from outside.
+
+        The call keeps the GIL and waits for a lock that Horovod's background loop
+        holds while it negotiates with the other ranks: with a rank stopped or stuck
+        it never returns, and no Python thread can run to time it out. So it runs
+        armed in the process's :class:`OutsideWatchdog`, which prints the timeout
+        message and kills this rank when the call outlives ``self.timeout`` (the
+        launcher then ends the job).
+
+        Args:
+            fn: the library function's name, without ``_async``.
+            what: names the op in the message.
+            *args: the function's positional arguments.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            Horovod's handle.
+        """
+        guard = self._w.guard
+        guard.arm(self.timeout,  # type: ignore[union-attr]
+                  f"plait: rank {self.rank}: plait.errors.CollectiveTimeoutError: waited "
+                  f"{self.timeout:g}s for Horovod to start {what}: the call holds the GIL while "
+                  "Horovod's background loop waits for a rank that is stopped, stuck or "
+                  "unreachable; ending this rank (SIGKILL)")
+        try:
+            return getattr(self._hvd, f"{fn}_async")(*args, **kwargs)
+        finally:
+            guard.disarm()  # type: ignore[union-attr]
 
     def _wait_torch(self, started: Any, what: str | None = None) -> Any:
         """``hvd.synchronize(started)``, raising :class:`CollectiveTimeoutError` after
@@ -407,7 +444,7 @@ class HorovodCommunicator(CommunicatorBase):
         tensors, raising :class:`CollectiveTimeoutError` after ``self.timeout``."""
         lib, hvd = self._w.ops, self._hvd
         if self.framework == "torch":
-            h = getattr(hvd, f"{fn}_async")(*args, **kwargs)
+            h = self._enqueue(fn, f"{fn} {kwargs.get('name')!r}", *args, **kwargs)
             return np.asarray(lib.to_numpy(self._wait_torch(h)))
         # horovod.tensorflow has no handles: wait on a worker thread (one, so the
         # order of ops is kept even behind an op abandoned after a timeout)

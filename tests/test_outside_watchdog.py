@@ -1,0 +1,118 @@
+"""OutsideWatchdog: a call that blocks holding the GIL still ends by its deadline.
+
+Each case runs a short Python program in a subprocess; a call that holds the GIL is
+libc's ``sleep`` through ``ctypes.PyDLL`` (which keeps the GIL during the call, as
+Horovod's torch ops do).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+from plait.collectives.outside_watchdog import OutsideWatchdog
+
+pytestmark = pytest.mark.timeout(60)
+
+PRELUDE = """\
+import ctypes, os, sys, threading, time
+from plait.collectives.outside_watchdog import OutsideWatchdog
+libc = ctypes.PyDLL(None)  # calls keep the GIL
+dog = OutsideWatchdog()
+"""
+
+
+def run(body: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", PRELUDE + textwrap.dedent(body)],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_a_call_holding_the_gil_is_killed_with_the_message() -> None:
+    start = time.monotonic()
+    done = run("""
+        # a Python-level timeout cannot fire while the GIL is held
+        threading.Timer(0.5, lambda: print("python thread ran", flush=True)).start()
+        dog.arm(1.0, "CollectiveTimeoutError: waited 1s for the test call")
+        libc.sleep(20)
+        print("returned", flush=True)
+    """)
+    elapsed = time.monotonic() - start
+    assert done.returncode == -signal.SIGKILL, done
+    assert "CollectiveTimeoutError: waited 1s for the test call\n" in done.stderr
+    assert "python thread ran" not in done.stdout and "returned" not in done.stdout
+    assert elapsed < 15, elapsed
+
+
+def test_then_runs_after_the_kill() -> None:
+    done = run("""
+        dog = OutsideWatchdog(then=["sh", "-c", "echo then ran after $0 >&2", "the kill"])
+        dog.arm(0.5, "timed out")
+        libc.sleep(20)
+    """)
+    assert done.returncode == -signal.SIGKILL, done
+    assert "timed out\nthen ran after the kill\n" in done.stderr, done.stderr
+
+
+def test_a_disarmed_call_is_left_alone() -> None:
+    done = run("""
+        for _ in range(1000):  # re-armed many times, each call well within its deadline
+            dog.arm(0.5, "must not appear")
+            dog.disarm()
+        libc.sleep(2)  # past every deadline, disarmed
+        dog.arm(0.5, "nested: must not appear")
+        dog.arm(0.5, "nested: must not appear")
+        dog.disarm()
+        dog.disarm()
+        time.sleep(1.0)
+        print("alive", flush=True)
+    """)
+    assert done.returncode == 0, done
+    assert "alive" in done.stdout and "must not appear" not in done.stderr
+
+
+def test_a_call_without_a_bound_starts_no_child() -> None:
+    done = run("""
+        dog.arm(float("inf"), "no bound")
+        dog.disarm()
+        dog.arm(0, "no bound")
+        dog.disarm()
+        print(dog._child is None, flush=True)
+    """)
+    assert done.returncode == 0 and done.stdout.strip() == "True", done
+
+
+def test_the_child_ends_with_its_process() -> None:
+    done = run("""
+        dog.arm(60, "never")
+        dog.disarm()
+        print(dog._child.pid, flush=True)
+        os._exit(0)
+    """)
+    child = int(done.stdout.split()[-1])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and os.path.exists(f"/proc/{child}"):
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{child}") or _zombie(child), "the watchdog child outlived its process"
+
+
+def test_close_stops_the_child() -> None:
+    dog = OutsideWatchdog()
+    dog.arm(60, "never")
+    dog.disarm()
+    child = dog._child
+    assert child is not None and child.poll() is None
+    dog.close()
+    assert child.poll() is not None
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
