@@ -273,7 +273,7 @@ class HorovodCommunicator(CommunicatorBase):
         return ops.from_numpy(np.ascontiguousarray(arr), like)
 
     def _start(self, fn: str, call: Call, finish: Callable[[Any], Any], *args: Any,
-               **kwargs: Any) -> Handle:
+               inplace: bool = False, **kwargs: Any) -> Handle:
         """Start the library's ``fn`` (allreduce, allgather, broadcast, alltoall,
         reducescatter) and return a handle whose ``wait()`` is bounded by ``self.timeout``.
 
@@ -293,6 +293,7 @@ class HorovodCommunicator(CommunicatorBase):
             call: what this rank calls (named if the wait times out).
             finish: turns the library's result into the caller's.
             *args: the library function's positional arguments.
+            inplace: torch: start ``{fn}_async_`` (the result overwrites the input).
             **kwargs: its keyword arguments (``name`` names the op in the timeout message).
 
         Returns:
@@ -305,7 +306,8 @@ class HorovodCommunicator(CommunicatorBase):
         checked = self._check_async(call)
         what = f"{call.describe()} (Horovod op {kwargs.get('name')!r})"
         if self.framework == "torch":
-            started = self._enqueue(fn, what, *args, **kwargs)
+            started = self._enqueue(f"{fn}_async_" if inplace else f"{fn}_async", what, *args,
+                                    **kwargs)
             result: list[Any] = []
 
             def wait_torch() -> None:
@@ -353,7 +355,7 @@ class HorovodCommunicator(CommunicatorBase):
         self._call = call
         digest = _from_numpy(self._w.ops, encode(call))
         name = self._check_name()
-        h = self._enqueue("allreduce", f"the agreement check {name!r}", digest, op=self._hvd.Min,
+        h = self._enqueue("allreduce_async", f"the agreement check {name!r}", digest, op=self._hvd.Min,
                           name=name, process_set=self._set)
 
         def wait() -> None:
@@ -368,7 +370,7 @@ class HorovodCommunicator(CommunicatorBase):
         self._check_async(call).wait()
 
     def _enqueue(self, fn: str, what: str, *args: Any, **kwargs: Any) -> Any:
-        """Start horovod.torch's ``{fn}_async``, bounded by ``self.timeout`` from outside.
+        """Start horovod.torch's ``fn``, bounded by ``self.timeout`` from outside.
 
         The call keeps the GIL and waits for a lock that Horovod's background loop
         holds while it negotiates with the other ranks: with a rank stopped or stuck
@@ -378,7 +380,7 @@ class HorovodCommunicator(CommunicatorBase):
         launcher then ends the job).
 
         Args:
-            fn: the library function's name, without ``_async``.
+            fn: the library function's name (``allreduce_async``...).
             what: names the op in the message.
             *args: the function's positional arguments.
             **kwargs: its keyword arguments.
@@ -393,7 +395,7 @@ class HorovodCommunicator(CommunicatorBase):
                   "Horovod's background loop waits for a rank that is stopped, stuck or "
                   "unreachable; ending this rank (SIGKILL)")
         try:
-            return getattr(self._hvd, f"{fn}_async")(*args, **kwargs)
+            return getattr(self._hvd, fn)(*args, **kwargs)
         finally:
             guard.disarm()  # type: ignore[union-attr]
 
@@ -444,7 +446,7 @@ class HorovodCommunicator(CommunicatorBase):
         tensors, raising :class:`CollectiveTimeoutError` after ``self.timeout``."""
         lib, hvd = self._w.ops, self._hvd
         if self.framework == "torch":
-            h = self._enqueue(fn, f"{fn} {kwargs.get('name')!r}", *args, **kwargs)
+            h = self._enqueue(f"{fn}_async", f"{fn} {kwargs.get('name')!r}", *args, **kwargs)
             return np.asarray(lib.to_numpy(self._wait_torch(h)))
         # horovod.tensorflow has no handles: wait on a worker thread (one, so the
         # order of ops is kept even behind an op abandoned after a timeout)
@@ -530,8 +532,12 @@ class HorovodCommunicator(CommunicatorBase):
     def group_allreduce_async(self, tensors: Sequence[Tensor], op: str = "average",
                               name: str | None = None) -> Handle | None:
         """One Horovod grouped allreduce of torch tensors that Horovod reduces as they
-        are: Horovod copies them into its fusion buffer on its own background thread,
-        so the caller need not fuse them (a data-parallel bucket).
+        are, in place: Horovod copies them into its fusion buffer on its own background
+        thread, so the caller need not fuse them (a data-parallel bucket), and back
+        (as Horovod's own DistributedOptimizer does to ``.grad``). In place, because
+        outputs allocated anew each step cost page faults when Horovod first writes
+        them: measured (2 ranks, shm, a 5.8M-parameter transformer), Horovod's copies
+        out of its fusion buffer took 4.5 ms a step into new outputs and 0.7 ms in place.
 
         Args:
             tensors: torch tensors of one dtype (float16, float32 or float64).
@@ -539,7 +545,8 @@ class HorovodCommunicator(CommunicatorBase):
             name: names the group.
 
         Returns:
-            A handle whose ``wait()`` gives the reduced tensors (new ones), or None
+            A handle whose ``wait()`` gives the reduced tensors (``tensors`` themselves
+            where they were contiguous, else contiguous copies), or None
             where Horovod cannot take them as they are (another framework, dtype or
             op, mixed dtypes): the caller then fuses them itself.
         """
@@ -554,8 +561,9 @@ class HorovodCommunicator(CommunicatorBase):
         total = sum(int(t.numel()) for t in tensors)
         call = Call("allreduce", (len(tensors), total), dtypes.pop(), op=op, name=name)
         native = [t.contiguous() for t in tensors]
-        return self._start("grouped_allreduce", call, list, native, name=self._name("grouped", name),
-                           op=self._ops_map[op], process_set=self._set)
+        return self._start("grouped_allreduce", call, list, native, inplace=True,
+                           name=self._name("grouped", name), op=self._ops_map[op],
+                           process_set=self._set)
 
     def allgather_async(self, tensor: Tensor, name: str | None = None) -> Handle:
         ops = self._ops(tensor, "allgather")
