@@ -14,8 +14,9 @@ message from memory shared with this process. Arming writes them there (no syste
 call, about a microsecond); disarming clears the deadline. When a deadline passes
 the child writes the message on this process's stderr and ends it with SIGKILL;
 the launcher (``mpirun``, ``horovodrun``, ``plait run``) then sees a failed rank and
-ends the job. A command given as ``then`` runs next, in the child's place (the MPI
-backend's launcher reaper: a raw ``mpirun`` can hang ending a job with a host it lost).
+ends the job. A command given as ``then`` runs next, in the child's place (the launcher
+reaper of :mod:`plait.collectives.abort`: a raw ``mpirun`` can hang ending a job with a
+host it lost).
 The child exits when this process does.
 """
 
@@ -123,7 +124,8 @@ class OutsideWatchdog:
                 just before this process is killed.
         """
         self._depth += 1
-        if not 0 < seconds < float("inf") or not self._start():
+        bounded = isinstance(seconds, (int, float)) and 0 < seconds < float("inf")
+        if not bounded or not self._start():
             return
         shared = self._shared
         text = (message.rstrip("\n") + "\n").encode("utf-8", "replace")[:_SIZE - _TEXT]
