@@ -113,7 +113,7 @@ def test_gradients_kept_between_steps_never_see_the_next_bucket(comm, monkeypatc
     batch = 12 * comm.size
     dist = train(comm, 6, batch, 1, 25.0, OPTIMIZERS["sgd"], distributed=True, set_to_none=False)
     pooled = TRAINED[0]._plait_pool._by_size
-    if comm.backend == "horovod":  # buckets go to Horovod as groups, into Horovod's outputs
+    if comm.backend == "horovod":  # buckets go to Horovod as groups, reduced in place
         assert not pooled, pooled
     else:
         assert pooled and all(len(bufs) <= 2 for bufs in pooled.values()), pooled
@@ -123,8 +123,9 @@ def test_gradients_kept_between_steps_never_see_the_next_bucket(comm, monkeypatc
 
 def test_horovod_reduces_each_bucket_as_one_group(comm, monkeypatch):
     """On the Horovod backend a bucket's gradients go to Horovod as one grouped allreduce
-    (Horovod fuses them on its own thread): every float bucket is a group, ``.grad`` is
-    Horovod's output (not a view of a fused buffer), and training equals the serial run.
+    (Horovod fuses them on its own thread): every float bucket is a group, reduced in
+    place (``.grad`` stays the tensor backward made, not a view of a fused buffer), and
+    training equals the serial run.
     A group Horovod cannot take as it is (bfloat16) is left to the fused path."""
     if comm.backend != "horovod":
         return  # the MPI backend's rings need one fused buffer
@@ -143,10 +144,11 @@ def test_horovod_reduces_each_bucket_as_one_group(comm, monkeypatch):
     assert max(n for n, _ in started) == 4  # one bucket of the model's 4 gradients
     serial = train(comm, 4, batch, 1, 25.0, OPTIMIZERS["sgd"], distributed=False)
     torch.testing.assert_close(flat(dist), flat(serial), rtol=0, atol=1e-6)
-    x, y = digits()  # one more step: .grad is Horovod's output, not a view of a fused buffer
+    x, y = digits()  # one more step: .grad is reduced in place, not a view of a fused buffer
     torch.nn.CrossEntropyLoss()(dist(x[:8]), y[:8]).backward()
+    made = [p.grad for p in dist.parameters()]
     TRAINED[0].step()
-    assert all(p.grad is not None and p.grad._base is None for p in dist.parameters())
+    assert all(p.grad is g and g._base is None for p, g in zip(dist.parameters(), made))
     TRAINED[0].zero_grad()
     assert group([torch.ones(3, dtype=torch.bfloat16)]) is None
     assert group([torch.ones(3), torch.ones(3, dtype=torch.float64)]) is None
