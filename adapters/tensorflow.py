@@ -18,8 +18,8 @@ import tensorflow as tf
 
 from plait.errors import ConfigError, MismatchError, PlaitTypeError
 
-__all__ = ["OPS", "TFConfigError", "TFMismatchError", "TFOps", "collective_function", "executing_eagerly",
-           "graph_position", "tf_errors", "unwrap"]
+__all__ = ["OPS", "TFConfigError", "TFMismatchError", "TFOps", "bracketed", "collective_function",
+           "executing_eagerly", "graph_position", "tf_errors", "unwrap"]
 
 _TO_NAME = {
     tf.float16: "float16", tf.bfloat16: "bfloat16", tf.float32: "float32",
@@ -302,6 +302,35 @@ def graph_position() -> tuple[str, int, bool] | None:
     _POSITIONS[graph] = index + 1
     function = bool(getattr(graph, "building_function", False))
     return str(getattr(graph, "name", None) or "graph"), index, function
+
+
+def bracketed(build: Callable[[], Any], before: Callable[[], None],
+              after: Callable[[], None]) -> Any:
+    """Build ops into the graph being built, between two host calls: each time the graph
+    runs, ``before()`` runs before any op ``build`` made starts, and ``after()`` once
+    all their outputs are computed (not when one of them failed).
+
+    Args:
+        build: makes the ops; returns their outputs (a tensor or a nest of them).
+        before: the host call before them.
+        after: the host call after them.
+
+    Returns:
+        ``build()``'s outputs, each computed once ``after()`` returned.
+    """
+    def host(call: Callable[[], None]) -> Callable[[], np.ndarray]:
+        def run() -> np.ndarray:
+            call()
+            return np.zeros((), np.int32)
+        return run
+
+    start = tf.numpy_function(host(before), [], Tout=tf.int32, stateful=True)
+    with tf.control_dependencies([start]):
+        out = build()
+    with tf.control_dependencies(tf.nest.flatten(out, expand_composites=True)):
+        end = tf.numpy_function(host(after), [], Tout=tf.int32, stateful=True)
+    with tf.control_dependencies([end]):
+        return tf.nest.map_structure(tf.identity, out, expand_composites=True)
 
 
 def collective_function(

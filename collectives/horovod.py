@@ -115,10 +115,10 @@ class _World:
         # horovod.torch's handles (horovod.tensorflow has none)
         self.waits = (BlockingWaits(self.hvd.synchronize, "plait-hvd-wait")
                       if framework == "torch" else None)
-        # starting a horovod.torch op keeps the GIL and can block (see _enqueue); after
-        # it killed this rank, the guard ends a raw mpirun that cannot end the job
-        self.guard = (OutsideWatchdog(then=reaper_argv(str(self.hvd.rank())))
-                      if framework == "torch" else None)
+        # starting a horovod.torch op keeps the GIL and can block (see _enqueue), and an op
+        # inside a TensorFlow graph cannot be interrupted (see _graph_op); after it killed
+        # this rank, the guard ends a raw mpirun that cannot end the job
+        self.guard = OutsideWatchdog(then=reaper_argv(str(self.hvd.rank())))
 
     def worker(self) -> concurrent.futures.ThreadPoolExecutor:
         """One daemon-like thread for blocking library calls that need a timeout."""
@@ -130,6 +130,7 @@ class _World:
         """Shut the library down and initialise it again (Horovod elastic's reset):
         membership, ranks and sizes may have changed; every process set is gone."""
         self.hvd.shutdown()
+        self.guard.clear()  # the ops it bounds ended with the library
         self.hvd.init(process_sets="dynamic")
         self.sets.clear()
         self.communicators = 1  # only the world communicator (id 1) survives a restart
@@ -300,11 +301,11 @@ class HorovodCommunicator(CommunicatorBase):
             The handle.
         """
         hvd = self._hvd
+        what = f"{call.describe()} (Horovod op {kwargs.get('name')!r})"
         if self.framework != "torch" and any(self._w.ops.is_symbolic(a) for a in args[:1]):
             self._verify(call)  # once, when the graph is built
-            return Done(finish(getattr(hvd, fn)(*args, **kwargs)))
+            return Done(finish(self._graph_op(fn, what, *args, **kwargs)))
         checked = self._check_async(call)
-        what = f"{call.describe()} (Horovod op {kwargs.get('name')!r})"
         if self.framework == "torch":
             started = self._enqueue(f"{fn}_async_" if inplace else f"{fn}_async", what, *args,
                                     **kwargs)
@@ -389,15 +390,50 @@ class HorovodCommunicator(CommunicatorBase):
             Horovod's handle.
         """
         guard = self._w.guard
-        guard.arm(self.timeout,  # type: ignore[union-attr]
-                  f"plait: rank {self.rank}: plait.errors.CollectiveTimeoutError: waited "
-                  f"{self.timeout:g}s for Horovod to start {what}: the call holds the GIL while "
-                  "Horovod's background loop waits for a rank that is stopped, stuck or "
-                  "unreachable; ending this rank (SIGKILL)")
+        key = guard.arm(self.timeout,
+                        f"plait: rank {self.rank}: plait.errors.CollectiveTimeoutError: waited "
+                        f"{self.timeout:g}s for Horovod to start {what}: the call holds the GIL "
+                        "while Horovod's background loop waits for a rank that is stopped, stuck "
+                        "or unreachable; ending this rank (SIGKILL)")
         try:
             return getattr(self._hvd, fn)(*args, **kwargs)
         finally:
-            guard.disarm()  # type: ignore[union-attr]
+            guard.disarm(key)
+
+    def _graph_op(self, fn: str, what: str, *args: Any, **kwargs: Any) -> Any:
+        """Build horovod.tensorflow's ``fn`` into the graph being built, bounded by
+        ``self.timeout`` from outside.
+
+        The op waits in a TensorFlow kernel for the other ranks, and nothing in Python
+        can end that wait: each time the graph runs, the op is armed in the process's
+        :class:`OutsideWatchdog` just before it starts and disarmed once its outputs
+        are computed (host calls in the graph, see
+        :func:`plait.adapters.tensorflow.bracketed`). The bound is the communicator's
+        timeout when the graph runs, not when it was built.
+
+        Args:
+            fn: the library function's name (``allreduce``, ``grouped_allreduce``...).
+            what: names the op in the message.
+            *args: the function's positional arguments.
+            **kwargs: its keyword arguments.
+
+        Returns:
+            The op's outputs.
+        """
+        from plait.adapters.tensorflow import bracketed
+
+        guard, key = self._w.guard, object()  # one key per op built: a failed run left it armed
+
+        def arm() -> None:
+            guard.arm(self.timeout,
+                      f"plait: rank {self.rank}: plait.errors.CollectiveTimeoutError: waited "
+                      f"{self.timeout:g}s for the other ranks to reach {what} inside a "
+                      "TensorFlow graph, where the wait cannot be interrupted; some rank is dead, "
+                      "stuck (or its host unreachable) or calling something else; ending this "
+                      "rank (SIGKILL)", key)
+
+        return bracketed(lambda: getattr(self._hvd, fn)(*args, **kwargs), arm,
+                         lambda: guard.disarm(key))
 
     def _wait_torch(self, started: Any, what: str | None = None) -> Any:
         """``hvd.synchronize(started)``, raising :class:`CollectiveTimeoutError` after

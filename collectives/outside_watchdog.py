@@ -6,12 +6,13 @@ that Horovod's background loop holds while it negotiates with the other ranks; w
 a rank is stopped (SIGSTOP) or stuck, that negotiation never ends and neither does
 the call. No Python thread can run meanwhile, so no timeout written in Python
 (:class:`~plait.collectives.watchdog.Watchdog`, a ``threading.Event`` wait) can end
-it.
+it. A Horovod op inside a TensorFlow graph waits the same way, in a kernel that
+Python cannot interrupt (:func:`plait.adapters.tensorflow.bracketed` arms it there).
 
 :class:`OutsideWatchdog` runs the bound in another process: a small Python child
 (started on first use, without ``site``) that reads the armed call's deadline and
 message from memory shared with this process. Arming writes them there (no system
-call, about a microsecond); disarming clears the deadline. When a deadline passes
+call, a few microseconds); disarming clears the deadline. When a deadline passes
 the child writes the message on this process's stderr and ends it with SIGKILL;
 the launcher (``mpirun``, ``horovodrun``, ``plait run``) then sees a failed rank and
 ends the job. A command given as ``then`` runs next, in the child's place (the launcher
@@ -23,15 +24,17 @@ The child exits when this process does.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import mmap
 import os
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 __all__ = ["OutsideWatchdog"]
 
@@ -68,10 +71,11 @@ while os.getppid() == parent:
 class OutsideWatchdog:
     """Ends this process from another process when an armed call outlives its deadline.
 
-    One call is armed at a time per process (the calls it guards hold the GIL, so
-    they cannot overlap); a thread that arms while another thread's call is armed
-    moves the deadline and the message to its own call, and the guard ends when
-    both disarmed.
+    Several calls may be armed at once (threads; graph ops running in parallel): each
+    :meth:`arm` returns a key for its :meth:`disarm`, and the child watches the
+    earliest deadline of those armed. Arming again with a key still armed replaces
+    its deadline: an op of a graph that failed before its disarm ran is armed again,
+    with a fresh deadline, the next time the graph runs.
 
     Args:
         name: shown in the child's command line (``ps``).
@@ -84,7 +88,10 @@ class OutsideWatchdog:
         self._shared: mmap.mmap | None = None
         self._child: subprocess.Popen[bytes] | None = None
         self._failed = False
-        self._depth = 0
+        self._armed: dict[Hashable, tuple[float, bytes]] = {}
+        self._shown: tuple[float, bytes] | None = None
+        self._keys = itertools.count()
+        self._lock = threading.Lock()
 
     def _start(self) -> bool:
         """Start the child (once). Returns False where it cannot run (warned once)."""
@@ -113,33 +120,68 @@ class OutsideWatchdog:
         self._shared = shared
         return True
 
-    def arm(self, seconds: float, message: str) -> None:
-        """Bound the call that follows to ``seconds``; call :meth:`disarm` when it
-        returned (also when it raised).
+    def arm(self, seconds: float, message: str, key: Hashable | None = None) -> Hashable:
+        """Bound the call that follows to ``seconds``; call :meth:`disarm` with the key
+        returned when it returned (also when it raised).
 
         Args:
             seconds: the time the call may take (a non-positive or infinite value
-                arms nothing, but still needs its :meth:`disarm`).
+                arms nothing).
             message: written on stderr (a newline is added) if the deadline passes,
                 just before this process is killed.
+            key: names the call (default: a new key); arming a key that is armed
+                replaces its deadline and message.
+
+        Returns:
+            The key to disarm with.
         """
-        self._depth += 1
+        if key is None:
+            key = next(self._keys)
         bounded = isinstance(seconds, (int, float)) and 0 < seconds < float("inf")
         if not bounded or not self._start():
-            return
-        shared = self._shared
+            return key
         text = (message.rstrip("\n") + "\n").encode("utf-8", "replace")[:_SIZE - _TEXT]
-        _HEAD.pack_into(shared, 0, 0.0, 0)  # type: ignore[arg-type]
-        shared[_TEXT:_TEXT + len(text)] = text  # type: ignore[index]
-        _HEAD.pack_into(shared, 0, time.monotonic() + seconds, len(text))  # type: ignore[arg-type]
+        with self._lock:
+            self._armed[key] = (time.monotonic() + seconds, text)
+            self._show()
+        return key
 
-    def disarm(self) -> None:
-        """The armed call returned."""
-        self._depth -= 1
-        if self._depth <= 0:
-            self._depth = 0
-            if self._shared is not None:
-                _HEAD.pack_into(self._shared, 0, 0.0, 0)
+    def disarm(self, key: Hashable) -> None:
+        """The call armed with ``key`` returned (a key not armed is ignored).
+
+        Args:
+            key: what :meth:`arm` returned.
+        """
+        with self._lock:
+            if self._armed.pop(key, None) is not None:
+                self._show()
+
+    def clear(self) -> None:
+        """Disarm every call (the library was shut down: nothing armed will return)."""
+        with self._lock:
+            self._armed.clear()
+            self._show()
+
+    def _show(self) -> None:
+        """Give the child the earliest deadline armed and its message (the lock is held)."""
+        shared = self._shared
+        if shared is None:
+            return
+        armed = self._armed
+        if not armed:
+            shown = None
+        elif len(armed) == 1:
+            shown = next(iter(armed.values()))
+        else:
+            shown = min(armed.values(), key=lambda v: v[0])
+        if shown == self._shown:
+            return
+        self._shown = shown
+        _HEAD.pack_into(shared, 0, 0.0, 0)  # type: ignore[arg-type]
+        if shown is not None:
+            deadline, text = shown
+            shared[_TEXT:_TEXT + len(text)] = text  # type: ignore[index]
+            _HEAD.pack_into(shared, 0, deadline, len(text))  # type: ignore[arg-type]
 
     def close(self) -> None:
         """Stop the child (it also stops by itself when this process exits)."""

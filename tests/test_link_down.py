@@ -244,6 +244,9 @@ GROUPS = {
         # GIL (in about 1 of 3 runs): the process's OutsideWatchdog prints the timeout and
         # kills the rank, and mpirun ends the job.
         Case("mpirun", "dp", "horovod", "stop"),
+        # Keras's step waits for the stopped rank in a Horovod kernel inside the tf.function,
+        # which Python cannot interrupt: the same watchdog bounds each Horovod graph op
+        Case("mpirun", "keras", "horovod", "stop"),
     ],
     "horovodrun": [
         Case("horovodrun", "dp", "horovod", "link", launcher_may_report=True),

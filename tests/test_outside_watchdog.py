@@ -61,26 +61,40 @@ def test_then_runs_after_the_kill() -> None:
 def test_a_disarmed_call_is_left_alone() -> None:
     done = run("""
         for _ in range(1000):  # re-armed many times, each call well within its deadline
-            dog.arm(0.5, "must not appear")
-            dog.disarm()
+            dog.disarm(dog.arm(0.5, "must not appear"))
         libc.sleep(2)  # past every deadline, disarmed
-        dog.arm(0.5, "nested: must not appear")
-        dog.arm(0.5, "nested: must not appear")
-        dog.disarm()
-        dog.disarm()
+        outer = dog.arm(0.5, "nested: must not appear")
+        inner = dog.arm(0.5, "nested: must not appear")
+        dog.disarm(inner)
+        dog.disarm(outer)
+        dog.disarm(outer)  # twice: ignored
+        stale = dog.arm(0.5, "a failed graph op: armed again below")
+        dog.arm(60, "must not appear", key=stale)  # armed again: the fresh deadline counts
+        dog.arm(0.5, "cleared: must not appear")
+        dog.clear()  # the library shut down
         time.sleep(1.0)
         print("alive", flush=True)
     """)
     assert done.returncode == 0, done
     assert "alive" in done.stdout and "must not appear" not in done.stderr
+    assert "armed again below" not in done.stderr
+
+
+def test_the_earliest_of_several_armed_calls_ends_the_process() -> None:
+    done = run("""
+        late = dog.arm(60, "the late call")
+        early = dog.arm(1.0, "the early call")
+        dog.arm(30, "the other call")
+        libc.sleep(20)
+    """)
+    assert done.returncode == -signal.SIGKILL, done
+    assert done.stderr.endswith("the early call\n"), done.stderr
 
 
 def test_a_call_without_a_bound_starts_no_child() -> None:
     done = run("""
-        dog.arm(float("inf"), "no bound")
-        dog.disarm()
-        dog.arm(0, "no bound")
-        dog.disarm()
+        dog.disarm(dog.arm(float("inf"), "no bound"))
+        dog.disarm(dog.arm(0, "no bound"))
         print(dog._child is None, flush=True)
     """)
     assert done.returncode == 0 and done.stdout.strip() == "True", done
@@ -88,8 +102,7 @@ def test_a_call_without_a_bound_starts_no_child() -> None:
 
 def test_the_child_ends_with_its_process() -> None:
     done = run("""
-        dog.arm(60, "never")
-        dog.disarm()
+        dog.disarm(dog.arm(60, "never"))
         print(dog._child.pid, flush=True)
         os._exit(0)
     """)
@@ -102,8 +115,7 @@ def test_the_child_ends_with_its_process() -> None:
 
 def test_close_stops_the_child() -> None:
     dog = OutsideWatchdog()
-    dog.arm(60, "never")
-    dog.disarm()
+    dog.disarm(dog.arm(60, "never"))
     child = dog._child
     assert child is not None and child.poll() is None
     dog.close()
