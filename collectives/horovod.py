@@ -14,6 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -25,7 +26,7 @@ from plait.protocols import Handle, Tensor, TensorOps
 from .abort import reaper_argv
 from .base import CommunicatorBase, Done, Pending, check_splits
 from .check import Call, agreed, encode, mismatch
-from .horovod_wait import BlockingWaits
+from .horovod_wait import HOROVOD_WAIT, BlockingWaits
 from .outside_watchdog import OutsideWatchdog
 
 __all__ = ["HorovodCommunicator", "build_info", "mpi_launched"]
@@ -443,16 +444,29 @@ class HorovodCommunicator(CommunicatorBase):
             return hvd.synchronize(started)
         try:  # blocked in Horovod's own wait, on another thread: no CPU taken from
             # Horovod's background thread (polling here cost 3.5 ms of an 11 ms allreduce)
-            return self._w.waits.wait(started, self.timeout)  # type: ignore[union-attr]
+            return self._w.waits.wait(started, self.timeout,  # type: ignore[union-attr]
+                                      self._tick())
         except TimeoutError:
             raise self._timed_out(what) from None
 
-    def _wait_future(self, future: concurrent.futures.Future[Any], what: str) -> None:
-        """Wait for an op running on the worker thread, at most ``self.timeout`` seconds."""
-        try:
-            future.result(timeout=self.timeout)
-        except concurrent.futures.TimeoutError:
-            raise self._timed_out(what) from None
+    def _tick(self) -> Callable[[], None] | None:
+        """What a wait calls now and then: in an MPI job, answer ranks that timed out
+        and ask where this rank waits (see :meth:`_timed_out`)."""
+        mpi = self._mpi
+        return None if mpi is None else (lambda: mpi.answer(HOROVOD_WAIT))
+
+    def _wait_future(self, future: concurrent.futures.Future[Any], what: str | None) -> Any:
+        """The result of an op running on the worker thread, waited for at most
+        ``self.timeout`` seconds."""
+        tick, deadline = self._tick(), time.monotonic() + self.timeout
+        while True:
+            left = deadline - time.monotonic()
+            try:
+                return future.result(timeout=max(0.0, left if tick is None else min(left, 0.05)))
+            except concurrent.futures.TimeoutError:
+                if tick is None or left <= 0:
+                    raise self._timed_out(what) from None
+                tick()
 
     # -- raw primitives ------------------------------------------------------------------
     def _eager(self) -> contextlib.AbstractContextManager[Any]:
@@ -469,9 +483,13 @@ class HorovodCommunicator(CommunicatorBase):
         if what is None:
             what = ("the agreement check of " + self._call.describe() if self._call is not None
                     else "a collective")
+        head = f"{self!r}: waited {self.timeout:g}s for the other ranks to reach {what}; "
+        if self._mpi is not None and self.size > 1:  # an MPI job: ask where the others wait
+            # (ranks waiting in plait answer, see _tick; the MPI group has this group's ranks)
+            return CollectiveTimeoutError(head + self._mpi.arrivals(HOROVOD_WAIT,
+                                                                    "waited in a Horovod op"))
         return CollectiveTimeoutError(
-            f"{self!r}: waited {self.timeout:g}s for the other ranks to reach {what}; "
-            "some rank is dead, stuck (or its host unreachable) or calling something else")
+            head + "some rank is dead, stuck (or its host unreachable) or calling something else")
 
     def _raw_min(self, values: np.ndarray) -> np.ndarray:
         with self._eager():
@@ -487,10 +505,7 @@ class HorovodCommunicator(CommunicatorBase):
         # horovod.tensorflow has no handles: wait on a worker thread (one, so the
         # order of ops is kept even behind an op abandoned after a timeout)
         future = self._w.worker().submit(getattr(hvd, fn), *args, **kwargs)
-        try:
-            return np.asarray(lib.to_numpy(future.result(timeout=self.timeout)))
-        except concurrent.futures.TimeoutError:
-            raise self._timed_out() from None
+        return np.asarray(lib.to_numpy(self._wait_future(future, None)))
 
     def _raw_min_eager(self, values: np.ndarray) -> np.ndarray:
         t = _from_numpy(self._w.ops, values)

@@ -15,10 +15,15 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["BlockingWaits"]
+__all__ = ["HOROVOD_WAIT", "BlockingWaits"]
+
+#: Where a rank waiting in a Horovod op says it waits when a rank that timed out asks
+#: (see :meth:`plait.collectives.mpi.MPICommunicator.arrivals`).
+HOROVOD_WAIT = -2
 
 
 class _Box:
@@ -65,12 +70,16 @@ class BlockingWaits:
         self._lock = threading.Lock()
         self.threads = 0  #: threads started so far (one per concurrent or abandoned wait)
 
-    def wait(self, handle: Any, timeout: float) -> Any:
+    def wait(self, handle: Any, timeout: float, tick: Callable[[], object] | None = None,
+             every: float = 0.05) -> Any:
         """``block(handle)``, waited for at most ``timeout`` seconds.
 
         Args:
             handle: what ``block`` waits for.
             timeout: seconds.
+            tick: called every ``every`` seconds while it waits (answers the other
+                ranks' questions, see :meth:`plait.collectives.mpi.MPICommunicator.arrivals`).
+            every: seconds between ticks.
 
         Returns:
             What ``block`` returned.
@@ -88,7 +97,15 @@ class BlockingWaits:
                 thread = _Thread(self._block, f"{self._name}-{self.threads}")
         box = _Box(handle)
         thread.jobs.put(box)
-        if not box.done.wait(timeout):
+        if tick is None:
+            finished = box.done.wait(timeout)
+        else:
+            deadline = time.monotonic() + timeout
+            while not (finished := box.done.wait(min(every, max(0.0, deadline - time.monotonic())))):
+                if time.monotonic() >= deadline:
+                    break
+                tick()
+        if not finished:
             raise TimeoutError(f"no result within {timeout:g}s")
         with self._lock:
             self._idle.append(thread)

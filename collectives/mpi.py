@@ -48,6 +48,7 @@ from .base import (
     reducescatter_counts,
 )
 from .check import Call, mismatch
+from .horovod_wait import HOROVOD_WAIT
 from .join import ALLREDUCE, JOINED, OTHER, SMALL, STEP, Reduction, describe, read, zeros
 from .pool import BufferPool
 from .ring import Chain, Exchange, Relay, Ring, combiner, segments
@@ -333,24 +334,42 @@ class MPICommunicator(CommunicatorBase):
         if self._call is not None and what == "a collective":
             what = self._call.describe()
         head = f"waited {self.timeout:g}s for the other ranks to reach {what} (collective #{seq})"
-        if self.size < 2:
-            return head
+        return head if self.size < 2 else f"{head}; {self.arrivals(seq)}"
+
+    def arrivals(self, seq: int, here: str = "waited in it") -> str:
+        """Ask the other ranks where they wait (they answer while they wait in plait):
+        which ranks of this group wait in collective ``seq`` like this one, which wait
+        elsewhere, and which did not answer, with their hosts.
+
+        Args:
+            seq: the collective this rank waits in (see :meth:`_wait_until`; the Horovod
+                backend's waits answer :data:`HOROVOD_WAIT`).
+            here: what the ranks waiting in ``seq`` are said to do.
+
+        Returns:
+            Clauses for a timeout message, joined by "; ".
+        """
         try:
             heard = self._who_waits(seq)
         except MPI.Exception as exc:  # e.g. a peer's link is gone: report what is known
-            return f"{head}; could not ask the other ranks where they wait ({exc})"
+            return f"could not ask the other ranks where they wait ({exc})"
         missing = [r for r in range(self.size) if r != self.rank and r not in heard]
-        here = [self.rank] + sorted(r for r, s in heard.items() if s == seq)
-        parts = [f"{rank_list(sorted(here))} of this group waited in it"]
+        same = [self.rank] + sorted(r for r, s in heard.items() if s == seq)
+        parts = [f"{rank_list(sorted(same))} of this group {here}"]
         if missing:
             parts.append(f"{rank_list(missing)}{self._world_ranks(missing)} did not arrive "
                          f"({self.on_hosts(missing)}dead, stuck, unreachable, or busy outside plait)")
         for r, s in sorted(heard.items()):
             if s != seq:
-                where = "a recv" if s < 0 else f"collective #{s}"
+                where = {-1: "a recv", HOROVOD_WAIT: "a Horovod op"}.get(s, f"collective #{s}")
                 parts.append(f"rank {r}{self._world_ranks([r])} is waiting in {where} "
                              "(calling something else)")
-        return f"{head}; " + "; ".join(parts)
+        return "; ".join(parts)
+
+    def answer(self, seq: int) -> None:
+        """Answer the other ranks' pending "where do you wait?" with ``seq`` (a wait
+        outside this communicator calls it now and then, see :meth:`arrivals`)."""
+        self._answer(seq)
 
     def _world_ranks(self, ranks: list[int]) -> str:
         """`` (world ranks [...])`` when this group is not the whole world."""

@@ -1,14 +1,16 @@
-"""Every wait is bounded: the Horovod backend under horovodrun --gloo (no MPI), and a rank
-whose MPI_Abort never returns.
+"""Every wait is bounded: the Horovod backend under horovodrun --gloo (no MPI) and under
+mpirun, and a rank whose MPI_Abort never returns.
 
-One real 2-rank job (``tests/parallel/job_wait_bounded.py``): a torch Horovod handle whose
-peer is late raises ``CollectiveTimeoutError`` naming the collective, and an uncaught
-timeout ends the job by itself, non-zero, well before the launcher's own limit.
+One real 2-rank job (``tests/parallel/job_wait_bounded.py``) per launcher: a torch Horovod
+handle whose peer is late raises ``CollectiveTimeoutError`` naming the collective (and,
+under mpirun, which rank is not waiting and its host), and an uncaught timeout ends the
+job by itself, non-zero, well before the launcher's own limit.
 """
 
 from __future__ import annotations
 
 import re
+import socket
 import subprocess
 import sys
 import time
@@ -26,22 +28,28 @@ LIMIT_S = 120  # the harness kills the job after this (rank 1 sleeps 600 s)
 
 
 @pytest.mark.timeout(LIMIT_S + 60)
-def test_horovod_handle_wait_and_uncaught_timeout_are_bounded() -> None:
+@pytest.mark.parametrize("launcher", ["horovodrun-gloo", "mpirun"])
+def test_horovod_handle_wait_and_uncaught_timeout_are_bounded(launcher: str) -> None:
     pytest.importorskip("horovod.torch")
     start = time.monotonic()
-    result = run_job("horovodrun-gloo", 2, [sys.executable, JOB], timeout=LIMIT_S)
+    result = run_job(launcher, 2, [sys.executable, JOB], timeout=LIMIT_S)
     elapsed = time.monotonic() - start
     out = result.output
     phase1 = re.search(r"phase 1: rank 0 timed out after ([\d.]+)s: (.*)", out)
     assert phase1 is not None, result.tail()
-    assert float(phase1.group(1)) < 3.5, phase1.group(0)  # 1 s timeout, rank 1 came at 4 s
+    # 1 s timeout (+ up to 2 s asking the others under mpirun), rank 1 came at 4 s
+    assert float(phase1.group(1)) < (3.5 if launcher == "mpirun" else 2.5), phase1.group(0)
     # the message names the collective: kind, shape, dtype, op and name
     assert "allreduce(shape=(1000,), dtype=float32, op=sum, name='late')" in phase1.group(2), out
     assert "waited 1s" in phase1.group(2), out
+    if launcher == "mpirun":  # and, in an MPI job, the rank that is not waiting, with its host
+        assert re.search(r"rank 0 of this group waited in a Horovod op; rank 1 did not arrive "
+                         rf"\(host {re.escape(socket.gethostname())};", phase1.group(2)), out
     assert "phase 2: rank 0 starts" in out and "phase 2: rank 1 starts" in out, result.tail()
     # the uncaught timeout ends the job by itself, not the harness
     assert result.returncode not in (0, 124), result.tail()
-    assert "exits with status 3 after an uncaught CollectiveTimeoutError" in out, result.tail()
+    ended = ("aborts the job (MPI_Abort)" if launcher == "mpirun" else "exits with status 3")
+    assert f"{ended} after an uncaught CollectiveTimeoutError" in out, result.tail()
     assert "name='never'" in out, result.tail()
     assert elapsed < LIMIT_S - 30, (elapsed, result.tail())
 

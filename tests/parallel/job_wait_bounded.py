@@ -1,14 +1,16 @@
-"""Horovod-backend waits are bounded (run by tests/test_wait_bounded.py under horovodrun --gloo).
+"""Horovod-backend waits are bounded (run by tests/test_wait_bounded.py under horovodrun --gloo
+and under mpirun).
 
 Not a pytest file: each phase prints one line for the outer test to check.
 
 1. Rank 0 starts an allreduce that rank 1 joins only 4 s later, with the agreement check
    off, so only the handle's ``wait()`` can notice: it must raise ``CollectiveTimeoutError``
-   after the 1 s timeout, naming the collective. Rank 1's late call then completes the
-   abandoned op.
+   after the 1 s timeout, naming the collective (under mpirun also rank 1, which is not
+   waiting in plait, and its host). Rank 1's late call then completes the abandoned op.
 2. Rank 0 calls an allreduce rank 1 never joins and does not catch the timeout: the
-   process must end by itself (status 3, no MPI to abort with) instead of hanging in
-   Horovod's shutdown, and horovodrun then ends rank 1 (asleep for 10 minutes).
+   process must end by itself (under horovodrun --gloo status 3, as there is no MPI to
+   abort with; under mpirun MPI_Abort) instead of hanging in Horovod's shutdown, and the
+   launcher then ends rank 1 (asleep for 10 minutes).
 """
 
 from __future__ import annotations
