@@ -14,7 +14,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import os
-import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -26,7 +25,7 @@ from plait.protocols import Handle, Tensor, TensorOps
 from .abort import reaper_argv
 from .base import CommunicatorBase, Done, Pending, check_splits
 from .check import Call, agreed, encode, mismatch
-from .horovod_wait import HOROVOD_WAIT, BlockingWaits
+from .horovod_wait import HOROVOD_WAIT, BlockingWaits, wait_ticking
 from .outside_watchdog import OutsideWatchdog
 
 __all__ = ["HorovodCommunicator", "build_info", "mpi_launched"]
@@ -458,15 +457,10 @@ class HorovodCommunicator(CommunicatorBase):
     def _wait_future(self, future: concurrent.futures.Future[Any], what: str | None) -> Any:
         """The result of an op running on the worker thread, waited for at most
         ``self.timeout`` seconds."""
-        tick, deadline = self._tick(), time.monotonic() + self.timeout
-        while True:
-            left = deadline - time.monotonic()
-            try:
-                return future.result(timeout=max(0.0, left if tick is None else min(left, 0.05)))
-            except concurrent.futures.TimeoutError:
-                if tick is None or left <= 0:
-                    raise self._timed_out(what) from None
-                tick()
+        if not wait_ticking(lambda t: not concurrent.futures.wait([future], t).not_done,
+                            self.timeout, self._tick()):
+            raise self._timed_out(what)
+        return future.result()
 
     # -- raw primitives ------------------------------------------------------------------
     def _eager(self) -> contextlib.AbstractContextManager[Any]:

@@ -19,11 +19,36 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HOROVOD_WAIT", "BlockingWaits"]
+__all__ = ["HOROVOD_WAIT", "BlockingWaits", "wait_ticking"]
 
 #: Where a rank waiting in a Horovod op says it waits when a rank that timed out asks
 #: (see :meth:`plait.collectives.mpi.MPICommunicator.arrivals`).
 HOROVOD_WAIT = -2
+
+
+def wait_ticking(wait: Callable[[float], bool], timeout: float,
+                 tick: Callable[[], object] | None = None, every: float = 0.05) -> bool:
+    """Wait with ``wait`` (which waits at most the seconds it is given and says whether
+    it is done) for at most ``timeout`` seconds, calling ``tick`` every ``every`` seconds
+    meanwhile.
+
+    Args:
+        wait: e.g. ``threading.Event.wait``.
+        timeout: seconds.
+        tick: called between waits (None: one wait of ``timeout``).
+        every: seconds between ticks.
+
+    Returns:
+        Whether it was done in time.
+    """
+    if tick is None:
+        return wait(timeout)
+    deadline = time.monotonic() + timeout
+    while not wait(min(every, max(0.0, deadline - time.monotonic()))):
+        if time.monotonic() >= deadline:
+            return False
+        tick()
+    return True
 
 
 class _Box:
@@ -97,15 +122,7 @@ class BlockingWaits:
                 thread = _Thread(self._block, f"{self._name}-{self.threads}")
         box = _Box(handle)
         thread.jobs.put(box)
-        if tick is None:
-            finished = box.done.wait(timeout)
-        else:
-            deadline = time.monotonic() + timeout
-            while not (finished := box.done.wait(min(every, max(0.0, deadline - time.monotonic())))):
-                if time.monotonic() >= deadline:
-                    break
-                tick()
-        if not finished:
+        if not wait_ticking(box.done.wait, timeout, tick, every):
             raise TimeoutError(f"no result within {timeout:g}s")
         with self._lock:
             self._idle.append(thread)

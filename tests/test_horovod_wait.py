@@ -81,3 +81,21 @@ def test_concurrent_waits_each_get_their_own_result() -> None:
     for c in callers:
         c.join(5.0)
     assert got == {h: h * 10 for h in range(4)}
+
+
+def test_a_ticking_wait_ticks_while_it_waits_and_still_times_out() -> None:
+    handles = _Handles()
+    waits = BlockingWaits(handles.synchronize)
+    ticks: list[float] = []
+    handles.start(0, "late")
+    threading.Timer(0.3, handles.finish, (0,)).start()
+    assert waits.wait(0, 5.0, lambda: ticks.append(time.monotonic()), every=0.05) == "late"
+    assert ticks, "no tick while it waited"  # about every 50 ms for 0.3 s
+    ticks.clear()
+    handles.start(1, "never")
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        waits.wait(1, 0.3, lambda: ticks.append(time.monotonic()), every=0.05)
+    assert 0.25 < time.monotonic() - start < 10.0
+    assert ticks, "no tick while it waited"
+    handles.finish(1)
