@@ -390,11 +390,9 @@ class HorovodCommunicator(CommunicatorBase):
             Horovod's handle.
         """
         guard = self._w.guard
-        key = guard.arm(self.timeout,
-                        f"plait: rank {self.rank}: plait.errors.CollectiveTimeoutError: waited "
-                        f"{self.timeout:g}s for Horovod to start {what}: the call holds the GIL "
-                        "while Horovod's background loop waits for a rank that is stopped, stuck "
-                        "or unreachable; ending this rank (SIGKILL)")
+        key = guard.arm(self.timeout, self._kill_message(
+            f"Horovod to start {what}: the call holds the GIL while Horovod's background loop "
+            "waits for a rank that is stopped, stuck or unreachable"))
         try:
             return getattr(self._hvd, fn)(*args, **kwargs)
         finally:
@@ -425,15 +423,19 @@ class HorovodCommunicator(CommunicatorBase):
         guard, key = self._w.guard, object()  # one key per op built: a failed run left it armed
 
         def arm() -> None:
-            guard.arm(self.timeout,
-                      f"plait: rank {self.rank}: plait.errors.CollectiveTimeoutError: waited "
-                      f"{self.timeout:g}s for the other ranks to reach {what} inside a "
-                      "TensorFlow graph, where the wait cannot be interrupted; some rank is dead, "
-                      "stuck (or its host unreachable) or calling something else; ending this "
-                      "rank (SIGKILL)", key)
+            guard.arm(self.timeout, self._kill_message(
+                f"the other ranks to reach {what} inside a TensorFlow graph, where the wait "
+                "cannot be interrupted; some rank is dead, stuck (or its host unreachable) or "
+                "calling something else"), key)
 
         return bracketed(lambda: getattr(self._hvd, fn)(*args, **kwargs), arm,
                          lambda: guard.disarm(key))
+
+    def _kill_message(self, waited_for: str) -> str:
+        """What the outside watchdog prints when it ends this rank after waiting for
+        ``waited_for`` (read at arming time: the timeout then)."""
+        return (f"plait: rank {self.rank}: plait.errors.CollectiveTimeoutError: waited "
+                f"{self.timeout:g}s for {waited_for}; ending this rank (SIGKILL)")
 
     def _wait_torch(self, started: Any, what: str | None = None) -> Any:
         """``hvd.synchronize(started)``, raising :class:`CollectiveTimeoutError` after

@@ -432,9 +432,8 @@ class MPICommunicator(CommunicatorBase):
 
     def _header_row(self, call: Call, row: np.ndarray, role: int) -> np.ndarray:
         """:meth:`_header` of a row made by :meth:`_row`."""
-        self._call = call
-        rows = np.empty((self.size, _HEAD + SLOT), dtype=np.uint8)
-        self._poll(self.comm.Iallgather(row, rows), "a collective")
+        req, rows = self._header_start(call, row)
+        self._poll(req, "a collective")
         return self._header_check(call, rows, role)
 
     def _row(self, call: Call, number: int, role: int, payload: np.ndarray | None) -> np.ndarray:
@@ -445,10 +444,9 @@ class MPICommunicator(CommunicatorBase):
             row[_HEAD : _HEAD + payload.size] = payload
         return row
 
-    def _header_start(self, call: Call, number: int, payload: np.ndarray | None,
-                      role: int) -> tuple[Any, np.ndarray]:
+    def _header_start(self, call: Call, row: np.ndarray) -> tuple[Any, np.ndarray]:
+        """Start allgathering every rank's header ``row``; return the request and the rows."""
         self._call = call
-        row = self._row(call, number, role, payload)
         rows = np.empty((self.size, _HEAD + SLOT), dtype=np.uint8)
         return self.comm.Iallgather(row, rows), rows
 
@@ -492,7 +490,7 @@ class MPICommunicator(CommunicatorBase):
         call = Call("reducer step", (), "none")
         if self.size == 1 or not self.check:
             return Done(None)
-        req, rows = self._header_start(call, key, None, STEP)
+        req, rows = self._header_start(call, self._row(call, key, STEP, None))
         # not driven by this communicator's progress thread (waking it during backward
         # cost ~0.5 ms a step, measured): MPI moves it inside the buckets' calls
         return Pending(req.Test, lambda: self._poll(req, "the announcement of a gradient "
@@ -691,13 +689,13 @@ class MPICommunicator(CommunicatorBase):
         self._validate_op(op, dtype)
         call = Call("allreduce", buf.shape, dtype, op=op, name=name)
         reduction = None
-        row = self._row(call, 0, SMALL, None)
         if buf.nbytes > SLOT:
             algorithm = self.tuning.reduce_algorithm(buf.nbytes, dtype, self.cross_size,
                                                      self.local_size if self._local else 1)
             blocking = sync and algorithm == "mpi" and self.tuning.blocks(self.cross_size)
             reduction = Reduction(dtype, buf.size, op, algorithm, blocking)
-            row = self._row(call, 0, ALLREDUCE, describe(reduction))
+        row = (self._row(call, 0, SMALL, None) if reduction is None
+               else self._row(call, 0, ALLREDUCE, describe(reduction)))
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         plan = self._plans[key] = _Plan(call, row, combiner(dtype, op, ops), reduction,

@@ -12,7 +12,7 @@ Python cannot interrupt (:func:`plait.adapters.tensorflow.bracketed` arms it the
 :class:`OutsideWatchdog` runs the bound in another process: a small Python child
 (started on first use, without ``site``) that reads the armed call's deadline and
 message from memory shared with this process. Arming writes them there (no system
-call, a few microseconds); disarming clears the deadline. When a deadline passes
+call, about 1.5 us with the disarm); disarming clears the deadline. When a deadline passes
 the child writes the message on this process's stderr and ends it with SIGKILL;
 the launcher (``mpirun``, ``horovodrun``, ``plait run``) then sees a failed rank and
 ends the job. A command given as ``then`` runs next, in the child's place (the launcher
