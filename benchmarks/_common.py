@@ -120,6 +120,38 @@ def launch(script: str, args: argparse.Namespace, worker: str = "1",
     return proc.returncode
 
 
+def launch_on_hosts(hosts: Any, script: str, args: argparse.Namespace, worker: str = "1",
+                    forward: Sequence[str] = (), env: dict[str, str] | None = None) -> int:
+    """:func:`launch` across emulated hosts: ``mpirun`` started on the first one.
+
+    Args:
+        hosts: a running ``plait.testing.netns.EmulatedHosts`` (its hostfile places the ranks).
+        script: the benchmark file (``__file__``).
+        args: the parsed common arguments.
+        worker: value of ``--worker``.
+        forward: further arguments for the workers.
+        env: extra environment variables, passed on to every rank.
+
+    Returns:
+        mpirun's exit status.
+    """
+    extra = {"PYTHONPATH": str(ROOT), **(env or {})}
+    full = mpi_env(extra)
+    full["PATH"] = f"{hosts.bin_dir}{os.pathsep}{full['PATH']}"
+    passed = ["PATH", *extra, "OMPI_MCA_mpi_yield_when_idle", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL"]
+    argv = ["mpirun", "--allow-run-as-root", "-np", str(args.np), "--hostfile", hosts.hostfile,
+            *hosts.mpirun_args(), "--timeout", str(max(30, int(args.timeout) - 15)), "--bind-to", "none",
+            *[a for v in passed for a in ("-x", v)],
+            sys.executable, str(Path(script).resolve()), "--worker", worker, "--out", args.out,
+            *(["--quick"] if args.quick else []), *(["--smoke"] if getattr(args, "smoke", False) else []),
+            *forward]
+    proc = hosts.exec(hosts.hosts[0], argv, timeout=args.timeout, env=full)
+    sys.stdout.write(proc.stdout)
+    if proc.returncode:
+        sys.stderr.write(proc.stderr[-4000:])
+    return int(proc.returncode)
+
+
 def free_port() -> int:
     """A TCP port that is free on 127.0.0.1 right now."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

@@ -51,7 +51,18 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import free_port, launch, load_note, md_table, meta, mpi_env, parse_args, versions, write_results
+from _common import (
+    free_port,
+    launch,
+    launch_on_hosts,
+    load_note,
+    md_table,
+    meta,
+    mpi_env,
+    parse_args,
+    versions,
+    write_results,
+)
 
 BACKENDS = ("plait-mpi", "plait-horovod", "horovod", "ddp")
 MODELS = ("resnet", "transformer")
@@ -349,22 +360,9 @@ def _extra(p: Any) -> None:
 
 def _launch_hosts(hosts: Any, args: Any, backend: str, forward: list[str]) -> int:
     """One job of ``backend`` across the emulated ``hosts``, started from the first one."""
-    env = mpi_env({"PYTHONPATH": str(Path(__file__).resolve().parent.parent), "SYNTH_DRIVER": "1",
-                   "SYNTH_PORT": "29631", "SYNTH_MASTER": hosts.address(hosts.hosts[0]),
-                   "GLOO_SOCKET_IFNAME": "eth0"})
-    env["PATH"] = f"{hosts.bin_dir}:{env['PATH']}"
-    passed = ["PATH", "PYTHONPATH", "SYNTH_DRIVER", "SYNTH_PORT", "SYNTH_MASTER", "GLOO_SOCKET_IFNAME",
-              "OMPI_MCA_mpi_yield_when_idle", "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL"]
-    argv = ["mpirun", "--allow-run-as-root", "-np", str(args.np), "--hostfile", hosts.hostfile,
-            *hosts.mpirun_args(), "--timeout", str(max(30, int(args.timeout) - 15)), "--bind-to", "none",
-            *[a for v in passed for a in ("-x", v)],
-            sys.executable, str(Path(__file__).resolve()), "--worker", backend, "--out", args.out,
-            *(["--quick"] if args.quick else []), *(["--smoke"] if args.smoke else []), *forward]
-    proc = hosts.exec(hosts.hosts[0], argv, timeout=args.timeout, env=env)
-    sys.stdout.write(proc.stdout)
-    if proc.returncode:
-        sys.stderr.write(proc.stderr[-4000:])
-    return proc.returncode
+    return launch_on_hosts(hosts, __file__, args, backend, forward, env={
+        "SYNTH_DRIVER": "1", "SYNTH_PORT": "29631", "SYNTH_MASTER": hosts.address(hosts.hosts[0]),
+        "GLOO_SOCKET_IFNAME": "eth0"})
 
 
 def main(argv: list[str] | None = None) -> int:
