@@ -157,6 +157,9 @@ class TorchStage:
         self.first, self.last, self.loss_fn = first, last, loss_fn
         self.scale, self.checkpoint = scale, checkpoint
         self.saved: dict[int, tuple[Any, ...]] = {}
+        #: Set by the runtime: lets messages in flight move; called between layers, in
+        #: forward and (through hooks on the layers' outputs) in backward.
+        self.progress: Callable[[], None] | None = None
 
     def _input(self, x: Any) -> torch.Tensor:
         t = _tensor(x)
@@ -164,8 +167,22 @@ class TorchStage:
             return t
         return t.detach().requires_grad_(True)
 
+    def _poke(self, grad: torch.Tensor) -> None:
+        """A gradient hook between two layers: let messages move, keep ``grad``."""
+        if self.progress is not None:
+            self.progress()
+
     def _run(self, x: torch.Tensor, target: Any) -> torch.Tensor:
-        out = self.module(x)
+        if self.progress is None:
+            out = self.module(x)
+        else:
+            out = x
+            for i, layer in enumerate(self.module):
+                if i:
+                    self.progress()
+                    if isinstance(out, torch.Tensor) and out.requires_grad:
+                        out.register_hook(self._poke)
+                out = layer(out)
         if self.last:
             if self.loss_fn is None:
                 raise PipelineTypeError("loss_fn is required on the last stage, got None")

@@ -79,21 +79,31 @@ def memory(world: Any, width: int, blocks: int) -> dict[str, Any]:
 
 
 class _Sleep:
-    """A stage whose forward and backward sleep (no CPU): the runtime's own cost shows alone."""
+    """A stage whose forward and backward sleep (no CPU): the runtime's own cost shows alone.
+    A sleep of over 1 ms is cut into up to 4 "layers", between which the stage lets messages
+    move (``progress``, set by the runtime), as the torch stages do between their layers."""
 
     def __init__(self, f: float, shape: tuple[int, int], first: bool, last: bool) -> None:
         self.f, self.shape, self.first, self.last = f, shape, first, last
+        self.progress: Any = None
+
+    def _compute(self, seconds: float) -> None:
+        layers = max(1, min(4, int(seconds / 1e-3)))
+        for i in range(layers):
+            if i and self.progress is not None:
+                self.progress()
+            time.sleep(seconds / layers)
 
     def forward(self, mb: int, x: Any, target: Any = None) -> Any:
         import numpy as np
 
-        time.sleep(self.f)
+        self._compute(self.f)
         return 0.0 if self.last else np.zeros(self.shape, np.float32)
 
     def backward(self, mb: int, grad: Any) -> Any:
         import numpy as np
 
-        time.sleep(2 * self.f)
+        self._compute(2 * self.f)
         return None if self.first else np.zeros(self.shape, np.float32)
 
     def infer(self, x: Any) -> Any:

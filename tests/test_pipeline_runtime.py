@@ -80,3 +80,36 @@ def test_batch_error_names_the_rank_and_the_problem():
     assert "batch y on rank 1 must have a batch dimension" in str(err)
     err = batch_error(table((0, 0, 0, 1, 1)), 1)
     assert isinstance(err, PartitionError) and "batch x with 0 rows on rank 0" in str(err)
+
+
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_torch_stage_lets_messages_move_between_layers_without_changing_gradients(checkpoint):
+    """A stage given ``progress`` calls it between its layers in forward and in backward
+    (recomputation included), and computes what it computes without."""
+    import torch
+
+    from plait.adapters.torch_pipeline import TorchStage
+
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(6, 6), torch.nn.Tanh(), torch.nn.Dropout(0.3), torch.nn.Linear(6, 3)]
+    x, g = torch.randn(5, 6), torch.randn(5, 3)
+    results, calls = [], []
+    for poke in (None, lambda: calls.append(1)):
+        stage = TorchStage(layers, first=False, last=False, loss_fn=None, scale=1.0,
+                           checkpoint=checkpoint)
+        stage.progress = poke
+        for p in stage.module.parameters():
+            p.grad = None
+        torch.manual_seed(1)
+        out = stage.forward(0, x)
+        forward_calls = len(calls)
+        gin = stage.backward(0, g)
+        results.append((out, gin, [p.grad.clone() for p in stage.module.parameters()]))
+    assert forward_calls == len(layers) - 1
+    # backward: one call from each hook between layers, and the recompute's forward calls
+    assert len(calls) == 2 * (len(layers) - 1) + (len(layers) - 1 if checkpoint else 0)
+    (out0, gin0, grads0), (out1, gin1, grads1) = results
+    torch.testing.assert_close(out1, out0)
+    torch.testing.assert_close(gin1, gin0)
+    for a, b in zip(grads1, grads0, strict=True):
+        torch.testing.assert_close(a, b)

@@ -4,16 +4,20 @@ The outer test says where the ranks should be: ``PLAIT_TEST_HOSTS`` (host names 
 host order) and ``PLAIT_TEST_SLOTS`` (ranks per host; ranks fill hosts in order).
 Each rank checks the communicator's rank, local and cross coordinates against
 its real host name, moves a known number of bytes between hosts, and writes one
-report file into ``PLAIT_TEST_REPORT_DIR`` for the outer test to read.
+report file into ``PLAIT_TEST_REPORT_DIR`` for the outer test to read. A torch
+pipeline with one stage per rank, whose activations (64 KiB per micro-batch, past
+Open MPI's TCP eager limit) cross the hosts, must equal the serial model.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import socket
 
 import numpy as np
+import pytest
 
 from plait.launch.context import context
 
@@ -54,3 +58,46 @@ def test_allgather_crosses_the_network(comm):
     path = os.path.join(os.environ["PLAIT_TEST_REPORT_DIR"], f"{comm.backend}-{comm.rank}.json")
     with open(path, "w") as f:
         json.dump(report, f)
+
+
+def test_pipeline_crosses_the_network_and_equals_the_serial_model(comm):
+    """One stage per rank, stages on different hosts: the stages let the messages move
+    between their layers (``Wire.progress``), and the loss and weights equal one process's."""
+    import torch
+
+    from plait.parallel.pipeline import Pipeline
+
+    width, batch, steps = 256, 256, 2
+    torch.manual_seed(0)
+    layers: list[torch.nn.Module] = []
+    for _ in range(comm.size):
+        layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    serial = torch.nn.Sequential(*layers, torch.nn.Linear(width, 4))
+    model = copy.deepcopy(serial)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    kwargs = {"microbatches": 4, "schedule": "gpipe", "comm": comm, "loss_fn": loss_fn,
+              "optimizer": lambda ps: torch.optim.SGD(ps, lr=0.1)}
+    if comm.backend == "horovod" and comm._mpi is None:
+        with pytest.raises(NotImplementedError, match="point-to-point"):
+            Pipeline(model, **kwargs).train_step(torch.zeros(batch, width), torch.zeros(batch))
+        return
+    pipe = Pipeline(model, **kwargs)
+    crosses = comm.cross_size > 1
+    assert pipe.runtime.wire.crosses_hosts == crosses
+    assert all((ex.progress is not None) == crosses for ex in pipe.executors.values())
+    opt = torch.optim.SGD(serial.parameters(), lr=0.1)
+    rng = torch.Generator().manual_seed(1)
+    for _ in range(steps):
+        x, y = torch.randn(batch, width, generator=rng), torch.randint(0, 4, (batch,), generator=rng)
+        loss = pipe.train_step(x, y)
+        opt.zero_grad()
+        want = loss_fn(serial(x), y)
+        want.backward()
+        opt.step()
+        assert abs(loss - want.item()) < 1e-5, (loss, want.item())
+    pipe.close()
+    held = {id(p) for p in pipe.parameters()}
+    mine = [(a, b) for a, b in zip(model.parameters(), serial.parameters(), strict=True) if id(a) in held]
+    assert mine
+    for a, b in mine:
+        torch.testing.assert_close(a.detach(), b.detach(), rtol=1e-5, atol=1e-6)

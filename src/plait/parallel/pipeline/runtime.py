@@ -65,7 +65,10 @@ class StageExecutor(Protocol):
     ``forward`` keeps what ``backward`` needs for that micro-batch (the
     autograd graph, a gradient tape, or only the input when recomputing).
     Inputs may be numpy arrays or the framework's tensors; outputs and input
-    gradients are the framework's tensors.
+    gradients are the framework's tensors. An executor with an attribute
+    ``progress`` gets it set by the runtime, where the pipeline crosses hosts, to a
+    callable that lets the messages in flight move (:meth:`.wire.Wire.progress`):
+    call it between layers.
     """
 
     def forward(self, mb: int, x: Any, target: Any | None = None) -> Any:
@@ -152,6 +155,10 @@ class Runtime:
         peers = [r for r in range(comm.size) if r != comm.rank]
         self.notices = Notices(self.wire, peers, message_tag(_NOTICE, 0, 0, stages, microbatches))
         self.broken = ""
+        if self.wire.crosses_hosts:  # stages that can, let messages move during their compute
+            for ex in executors.values():
+                if hasattr(ex, "progress"):
+                    ex.progress = self.wire.progress  # type: ignore[attr-defined]
 
     def _tag(self, family: int, stage: int, mb: int) -> int:
         return message_tag(family, stage, mb, self.stages, self.microbatches)
@@ -190,8 +197,10 @@ class Runtime:
             step.stats.wait += time.perf_counter() - start
             step.stats.wall += time.perf_counter() - start
             self.notices.finish()
+            self.wire.receiving.clear()
         except BaseException as exc:
             self.wire.pending.clear()
+            self.wire.receiving.clear()
             self.broken = f"{type(exc).__name__}: {exc}"[:300]
             if not (isinstance(exc, StageFailed) and exc.remote):
                 self.notices.tell(f"{type(exc).__name__}: {exc}")
