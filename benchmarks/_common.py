@@ -228,7 +228,7 @@ def versions() -> dict[str, str]:
             out[mod] = str(m.__version__)
     mpi = sys.modules.get("mpi4py.MPI")
     if mpi is not None:
-        out["mpi library"] = mpi.Get_library_version().splitlines()[0].strip()
+        out["mpi library"] = mpi.Get_library_version().replace("\x00", "").splitlines()[0].strip()
     return out
 
 

@@ -251,8 +251,8 @@ def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int,
                     f"{1e3 * q['other_s']:.1f}" for q in r["per_rank"])] for r in sleep_rows])
     markdown = (
         f"# Pipeline parallelism\n\ntorch MLP ({layers} x Linear({width}) + Tanh), P={p} ranks"
-        f"{where(args)}, batch {batch}{' (quick)' if args.quick else ''}; {load_note()}. Bubble measured = "
-        f"1 - sum(busy) / (P x makespan) from the runtime's per-stage timers; theory "
+        f"{where(args, p)}, batch {batch}{' (quick)' if args.quick else ''}; {load_note()}. "
+        f"Bubble measured = 1 - sum(busy) / (P x makespan) from the runtime's per-stage timers; theory "
         f"(P-1)/(vM+P-1); sim = the pure simulator (forward 1, backward 2). Peak live = most "
         f"micro-batch activations alive on one rank.\n\n{table}\n\n"
         f"## Per-stage construction: memory per rank\n\nThe model described once on torch's meta "
@@ -267,13 +267,16 @@ def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int,
         f"Other = the runtime's own bookkeeping (posting receives, reaping sends).\n\n{sleep_table}")
     write_results(args.out, "pipeline", rows, markdown,
                   meta=meta(quick=args.quick, width=width, blocks=layers, model="torch MLP",
-                            link=where(args).strip(" ,") or "shared memory (one host)",
+                            link=where(args, p).strip(" ,") or "shared memory (one host)",
                             versions=versions(), memory=mem), sleeping=sleep_rows)
 
 
-def where(args: Any) -> str:
-    """``, on 2 emulated hosts at RATE (H ranks each)`` for a run across hosts, else ``""``."""
-    return f", on 2 emulated hosts at {args.rate} ({args.np // 2} ranks each)" if args.rate else ""
+def where(args: Any, ranks: int) -> str:
+    """``, on 2 emulated hosts at RATE (N ranks each)`` for a run across hosts, else ``""``."""
+    if not args.rate:
+        return ""
+    each = ranks // 2
+    return f", on 2 emulated hosts at {args.rate} ({each} rank{'s' if each > 1 else ''} each)"
 
 
 def options(p: Any) -> None:

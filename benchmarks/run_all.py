@@ -289,7 +289,7 @@ def write_report(path: Path, runs: list[dict[str, Any]], before: dict[str, Any],
         elif r["status"] != "ok" and not r["status"].startswith("skipped"):
             out.append(f"\n## {r['name']}\n\n{r['status']}; last lines:\n\n```\n"
                        + "\n".join(r.get("tail", [])) + "\n```\n")
-    path.write_text("".join(out))
+    path.write_text("".join(out).replace("\x00", ""))  # MPI's version string ends in a NUL
     print(f"wrote {path}")
 
 

@@ -22,7 +22,8 @@ _PROBES = {
                   "print(tf.__version__)",
     "keras": "import os; os.environ['TF_CPP_MIN_LOG_LEVEL']='3'; import keras; print(keras.__version__)",
     "mpi4py": "import mpi4py; print(mpi4py.__version__)",
-    "mpi library": "from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0].strip())",
+    "mpi library": ("from mpi4py import MPI; "
+                    "print(MPI.Get_library_version().replace(chr(0), '').splitlines()[0].strip())"),
     "mpi thread level": "from plait.collectives.mpi import thread_level; print(thread_level())",
     "mpi algorithms": "from plait.collectives.tuning import Tuning; print(Tuning.from_env().describe())",
     "cuda-aware mpi": "from mpi4py import MPI; import subprocess; out = subprocess.run("
