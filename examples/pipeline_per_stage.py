@@ -12,6 +12,16 @@ The model (an MLP on scikit-learn's bundled digits, ``--blocks`` hidden layers o
 for torch) and every rank materialises only its stage's layers and their Adam
 state. Each rank prints its parameters and peak RSS; rank 0 prints the test
 accuracy of the trained pipeline.
+
+``--budget-mb B`` makes the memory claim a check: each rank may grow its peak RSS
+by at most B MiB over what it held after the imports (and the framework's first
+op), while the whole model's training state (parameters, gradients and the two Adam
+moments: 16 bytes per parameter) must exceed B, so that no single rank could train
+it; the script fails when either does not hold. For example (torch, 80M parameters,
+1.2 GiB of state, at most 1000 MiB per rank; ``--steps`` shortens the epochs)::
+
+    mpirun -np 2 python examples/pipeline_per_stage.py --width 2048 --blocks 20 \
+        --budget-mb 1000 --epochs 1 --steps 2
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import sys
 
 import numpy as np
 
@@ -58,7 +69,26 @@ def describe(framework: str, width: int, blocks: int, lr: float) -> tuple[object
     return model, loss, keras.optimizers.Adam(learning_rate=lr)
 
 
-def main() -> None:
+def state_mib(width: int, blocks: int) -> float:
+    """The whole model's training state in MiB: parameters, gradients and Adam's two moments."""
+    params = (64 * width + width) + (blocks - 1) * (width * width + width) + (width * 10 + 10)
+    return 16 * params / 2**20
+
+
+def warm_up(framework: str) -> None:
+    """Run the framework's first op, so that the baseline RSS holds its runtime."""
+    if framework == "torch":
+        import torch
+
+        torch.set_num_threads(1)
+        torch.zeros(1).add_(1)
+    else:
+        import keras
+
+        keras.ops.add(keras.ops.zeros(1), 1)
+
+
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--framework", choices=["torch", "keras"], default="torch")
     ap.add_argument("--width", type=int, default=512)
@@ -67,10 +97,16 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--epochs", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--steps", type=int, default=0, help="steps per epoch (default: the whole data)")
+    ap.add_argument("--budget-mb", type=float, default=0.0,
+                    help="fail unless every rank's peak RSS grows by at most this many MiB while "
+                         "the whole model's state exceeds it")
     args = ap.parse_args()
 
     world = plait.init("mpi")
     xtr, ytr, xte, yte = load()
+    warm_up(args.framework)
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     model, loss_fn, optimizer = describe(args.framework, args.width, args.blocks, args.lr)
     pipe = plait.Pipeline(model, microbatches=args.microbatches, comm=world, loss_fn=loss_fn,
                           optimizer=optimizer, input_shape=(64,),
@@ -85,7 +121,7 @@ def main() -> None:
             return torch.from_numpy(a)
         return a
 
-    steps = len(xtr) // args.batch
+    steps = args.steps or len(xtr) // args.batch
     loss = float("nan")
     for epoch in range(args.epochs):
         order = np.random.default_rng(epoch).permutation(len(xtr))
@@ -101,14 +137,31 @@ def main() -> None:
         correct = float(np.mean(np.argmax(logits, axis=1) == yte))
     accuracy = next(c for c in world.allgather_object(correct) if c is not None)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    grown = world.allgather_object(peak - base)
     for line in world.allgather_object(
-            f"rank {world.rank}: stage {pipe.stage_ids}, {own} parameters, peak RSS {peak:.0f} MiB"):
+            f"rank {world.rank}: stage {pipe.stage_ids}, {own} parameters, peak RSS {peak:.0f} MiB "
+            f"({peak - base:.0f} MiB over the imports)"):
         if world.rank == 0:
             print(line)
+    whole = state_mib(args.width, args.blocks)
     if world.rank == 0:
         print(f"test accuracy {accuracy:.3f}")
+        print(f"whole model state {whole:.0f} MiB; largest growth of a rank {max(grown):.0f} MiB")
     pipe.close()
+    if args.budget_mb:
+        if whole <= args.budget_mb:
+            print(f"--budget-mb {args.budget_mb:g} is not below the whole model's state "
+                  f"({whole:.0f} MiB): one rank could hold it; choose a larger model", file=sys.stderr)
+            return 2
+        over = [r for r, g in enumerate(grown) if g > args.budget_mb]
+        if over:
+            print(f"ranks {over} grew by more than --budget-mb {args.budget_mb:g} MiB: "
+                  f"{[round(grown[r]) for r in over]}", file=sys.stderr)
+            return 1
+        if world.rank == 0:
+            print(f"every rank within {args.budget_mb:g} MiB, below the whole model's {whole:.0f} MiB")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

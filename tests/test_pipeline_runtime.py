@@ -87,7 +87,6 @@ def test_torch_stage_lets_messages_move_between_layers_without_changing_gradient
     """A stage given ``progress`` calls it between its layers in forward and in backward
     (recomputation included), and computes what it computes without."""
     import torch
-
     from plait.adapters.torch_pipeline import TorchStage
 
     torch.manual_seed(0)
