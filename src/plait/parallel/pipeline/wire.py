@@ -135,7 +135,7 @@ class Wire:
         calls on both sides: posted before a stage's compute and not tested during it, it
         waits for the end of that compute. Where the pipeline :attr:`crosses_hosts`, the
         stages call this between their layers (measured across 2 emulated hosts at 1 Gbit/s,
-        ``benchmarks/pipeline.py --rate 1gbit``: GPipe's step 15-20 % shorter at M=4; on
+        ``benchmarks/pipeline.py --rate 1gbit``: GPipe's step about 15 % shorter at M=4; on
         shared memory, where the receiver copies the message, it changed nothing).
         """
         for h in self.pending:
