@@ -104,7 +104,7 @@ class Wire:
         self.workers = max(2, workers)
         self.pool: ThreadPoolExecutor | None = None
         self.pending: list[Any] = []
-        self.receiving: list[Any] = []  # posted receives not seen complete yet (see progress)
+        self.receiving: list[Any] = []  # posted receives not seen complete (crossing hosts only)
         names = getattr(comm, "host_names", None)
         #: Whether some pipeline rank is on another host (or the hosts are unknown).
         self.crosses_hosts = (len(set(names)) > 1 if names
@@ -124,7 +124,8 @@ class Wire:
         """Post a receive of an array like ``like``; its handle's ``wait()`` returns it."""
         if self.recv_async is not None:
             handle = self.recv_async(like, source, tag)
-            self.receiving.append(handle)
+            if self.crosses_hosts:  # only progress() reads it
+                self.receiving.append(handle)
             return handle  # type: ignore[no-any-return]
         return _Deferred(self.comm, like, source, tag)
 
