@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 
@@ -9,6 +11,7 @@ from plait.parallel.pipeline import PartitionError, PipelineError, PipelineTypeE
 from plait.parallel.pipeline.api import ABSENT, SCALAR, batch_error
 from plait.parallel.pipeline.runtime import MAX_TAG, check_tags, message_tag
 from plait.parallel.pipeline.wire import header as _header
+from plait.parallel.pipeline.wire import spans_hosts
 from plait.parallel.pipeline.wire import template as _template
 
 
@@ -112,3 +115,11 @@ def test_torch_stage_lets_messages_move_between_layers_without_changing_gradient
     torch.testing.assert_close(gin1, gin0)
     for a, b in zip(grads1, grads0, strict=True):
         torch.testing.assert_close(a, b)
+
+
+def test_spans_hosts_from_host_names_then_cross_size_and_true_when_unknown():
+    assert not spans_hosts(SimpleNamespace(host_names=["a", "a"], cross_size=2))
+    assert spans_hosts(SimpleNamespace(host_names=["a", "b"], cross_size=1))
+    assert spans_hosts(SimpleNamespace(cross_size=2))
+    assert not spans_hosts(SimpleNamespace(cross_size=1))
+    assert spans_hosts(SimpleNamespace())

@@ -77,14 +77,13 @@ def test_pipeline_crosses_the_network_and_equals_the_serial_model(comm):
     loss_fn = torch.nn.CrossEntropyLoss()
     kwargs = {"microbatches": 4, "schedule": "gpipe", "comm": comm, "loss_fn": loss_fn,
               "optimizer": lambda ps: torch.optim.SGD(ps, lr=0.1)}
-    if comm.backend == "horovod" and comm._mpi is None:
-        with pytest.raises(NotImplementedError, match="point-to-point"):
+    if comm.backend == "horovod":
+        # no MPI under horovodrun --gloo; beside Horovod's background thread Open MPI's TCP
+        # transport stalls messages (README; benchmarks/mpi_threads.py)
+        match = "point-to-point" if comm._mpi is None else "several hosts"
+        with pytest.raises(NotImplementedError, match=match):
             Pipeline(model, **kwargs).train_step(torch.zeros(batch, width), torch.zeros(batch))
         return
-    if comm.size > 2:
-        pytest.skip("known problem (README, 'What does not work'): an 8-rank pipeline across 4 "
-                    "emulated hosts sometimes loses a message (Horovod backend: about half the "
-                    "runs; MPI backend: 1 of 3 runs of this job)")
     pipe = Pipeline(model, **kwargs)
     crosses = comm.cross_size > 1
     assert pipe.runtime.wire.crosses_hosts == crosses

@@ -49,9 +49,18 @@ from .errors import PartitionError, PipelineError, PipelineTypeError
 from .partition import balance_by_cost, check_balance, check_microbatches, partition_sizes_to_bounds
 from .runtime import Runtime, StepStats, check_tags
 from .schedule import SCHEDULES, get_schedule
+from .wire import spans_hosts
 
 __all__ = ["ABSENT", "SCALAR", "Pipeline", "batch_error", "framework_of"]
 
+#: Why a Horovod-backend pipeline may not span hosts (README, "What does not work, and why").
+_HOROVOD_ACROSS_HOSTS = (
+    "a pipeline on the Horovod backend whose ranks are on several hosts is not supported: its "
+    "point-to-point messages go through MPI (there is none under horovodrun --gloo) from this "
+    "thread while Horovod's background thread waits inside blocking MPI calls, and Open MPI's "
+    "TCP transport then holds messages back for a minute or more (Open MPI 4.1.4, measured "
+    "without plait by benchmarks/mpi_threads.py). Run pipelines across hosts on the MPI "
+    "backend: plait.init('mpi') under mpirun")
 _GLUE = {"torch": "plait.adapters.torch_pipeline", "keras": "plait.adapters.keras_pipeline"}
 
 
@@ -189,6 +198,8 @@ class Pipeline:
         PipelineError: Unknown schedule, stages different from the pipeline size,
             bad ``chunks``, ``microbatches`` not a multiple of ``stages`` for
             ``"interleaved"``.
+        NotImplementedError: A pipeline on the Horovod backend whose ranks are on
+            several hosts (use the MPI backend; README says why).
 
     All of these are raised before any communication.
 
@@ -209,6 +220,8 @@ class Pipeline:
         glue: Any = importlib.import_module(_GLUE[self.framework])
         layers = glue.layers_of(model)
         self.pipe_comm, self.data_comm = self._comms(comm)
+        if getattr(self.pipe_comm, "backend", "") == "horovod" and spans_hosts(self.pipe_comm):
+            raise NotImplementedError(_HOROVOD_ACROSS_HOSTS)
         size = self.pipe_comm.size
         p = size if stages is None else stages
         if isinstance(p, bool) or not isinstance(p, int):

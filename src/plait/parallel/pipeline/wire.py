@@ -33,7 +33,8 @@ from plait.protocols import Communicator, Handle
 
 from .errors import PipelineError, StageFailed
 
-__all__ = ["DTYPES", "HEADER_LEN", "NOTICE_BYTES", "Notices", "Wire", "header", "template", "to_numpy"]
+__all__ = ["DTYPES", "HEADER_LEN", "NOTICE_BYTES", "Notices", "Wire", "header", "spans_hosts", "template",
+           "to_numpy"]
 
 #: int64 entries of a header: dtype code, ndim, up to 8 dims.
 HEADER_LEN = 10
@@ -74,6 +75,15 @@ def to_numpy(t: Any) -> np.ndarray:
     return np.ascontiguousarray(ops_for(t).to_numpy(t))
 
 
+def spans_hosts(comm: Any) -> bool:
+    """Whether some rank of ``comm`` is on another host (True when the hosts are unknown).
+
+    From the communicator's ``host_names`` where it has them, else from ``cross_size``.
+    """
+    names = getattr(comm, "host_names", None)
+    return len(set(names)) > 1 if names else int(getattr(comm, "cross_size", 2)) > 1
+
+
 class _Deferred:
     """A receive handle for a communicator without ``recv_async``: a blocking recv at ``wait``."""
 
@@ -105,10 +115,8 @@ class Wire:
         self.pool: ThreadPoolExecutor | None = None
         self.pending: list[Any] = []
         self.receiving: list[Any] = []  # posted receives not seen complete (crossing hosts only)
-        names = getattr(comm, "host_names", None)
         #: Whether some pipeline rank is on another host (or the hosts are unknown).
-        self.crosses_hosts = (len(set(names)) > 1 if names
-                              else int(getattr(comm, "cross_size", 2)) > 1)
+        self.crosses_hosts = spans_hosts(comm)
 
     def send(self, array: np.ndarray, dest: int, tag: int) -> None:
         """Post a send of ``array`` (kept alive until it completed)."""
