@@ -183,7 +183,7 @@ def test_job_across_hosts(request: pytest.FixtureRequest, tmp_path: Path, layout
         ring = [] if "gloo" in launcher else [RING_JOB]
         # job_multihost.py first: its MPI-backend pipeline then runs before the Horovod tests
         # start Horovod's background thread, beside which Open MPI's TCP transport stalls
-        # messages (README, "What does not work"; benchmarks/mpi_threads.py)
+        # messages (README, "What does not work"; tools/mpi_threads.py)
         program = pytest_argv("job_multihost.py", COLLECTIVES_JOB, *ring, "-k", COLLECTIVES_K)
     else:
         program = [sys.executable, "-c", REPORTING_WRAPPER, DIGITS, "--backend", str(backend),

@@ -79,7 +79,7 @@ def test_pipeline_crosses_the_network_and_equals_the_serial_model(comm):
               "optimizer": lambda ps: torch.optim.SGD(ps, lr=0.1)}
     if comm.backend == "horovod":
         # no MPI under horovodrun --gloo; beside Horovod's background thread Open MPI's TCP
-        # transport stalls messages (README; benchmarks/mpi_threads.py)
+        # transport stalls messages (README; tools/mpi_threads.py)
         match = "point-to-point" if comm._mpi is None else "several hosts"
         with pytest.raises(NotImplementedError, match=match):
             Pipeline(model, **kwargs).train_step(torch.zeros(batch, width), torch.zeros(batch))

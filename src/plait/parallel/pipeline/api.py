@@ -59,7 +59,7 @@ _HOROVOD_ACROSS_HOSTS = (
     "point-to-point messages go through MPI (there is none under horovodrun --gloo) from this "
     "thread while Horovod's background thread waits inside blocking MPI calls, and Open MPI's "
     "TCP transport then holds messages back for a minute or more (Open MPI 4.1.4, measured "
-    "without plait by benchmarks/mpi_threads.py). Run pipelines across hosts on the MPI "
+    "without plait by tools/mpi_threads.py). Run pipelines across hosts on the MPI "
     "backend: plait.init('mpi') under mpirun")
 _GLUE = {"torch": "plait.adapters.torch_pipeline", "keras": "plait.adapters.keras_pipeline"}
 

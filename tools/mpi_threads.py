@@ -18,7 +18,7 @@ Horovod backend may not span hosts (README, "What does not work, and why").
 
 Run (root: the hosts are network namespaces)::
 
-    python benchmarks/mpi_threads.py --hosts 4 --slots 2 --jobs 3
+    python tools/mpi_threads.py --hosts 4 --slots 2 --jobs 3
 """
 
 from __future__ import annotations
