@@ -47,6 +47,7 @@ class Pending:
         wait: blocks until the request completed.
         finish: turns the completed request into the result (called once).
         keep: objects that must stay alive while the request is in flight.
+        what: the operation in words, for messages (e.g. "a recv from rank 0 (tag 5) of 512 bytes").
     """
 
     def __init__(
@@ -55,9 +56,11 @@ class Pending:
         wait: Callable[[], Any],
         finish: Callable[[], Any],
         keep: Any = None,
+        what: str = "",
     ) -> None:
         self._test, self._wait, self._finish = test, wait, finish
         self._keep = keep
+        self.what = what
         self._result: Any = None
         self._finished = False
 

@@ -968,7 +968,7 @@ class MPICommunicator(CommunicatorBase):
             seq = self._calls
             self._wait_until(req.progress, lambda: self._timeout_report(what, seq), seq)
 
-        return Pending(req.progress, wait, finish, keep)
+        return Pending(req.progress, wait, finish, keep, what)
 
     def _poll_probe(self, source: int, tag: int, status: Any) -> None:
         self._wait_until(lambda: bool(self.comm.Iprobe(source=source, tag=tag, status=status)),

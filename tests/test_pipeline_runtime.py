@@ -6,12 +6,14 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from plait.collectives.base import Pending
 
+from plait.errors import CollectiveTimeoutError
 from plait.parallel.pipeline import PartitionError, PipelineError, PipelineTypeError, framework_of
 from plait.parallel.pipeline.api import ABSENT, SCALAR, batch_error
 from plait.parallel.pipeline.runtime import MAX_TAG, check_tags, message_tag
+from plait.parallel.pipeline.wire import Notices, spans_hosts
 from plait.parallel.pipeline.wire import header as _header
-from plait.parallel.pipeline.wire import spans_hosts
 from plait.parallel.pipeline.wire import template as _template
 
 
@@ -123,3 +125,17 @@ def test_spans_hosts_from_host_names_then_cross_size_and_true_when_unknown():
     assert spans_hosts(SimpleNamespace(cross_size=2))
     assert not spans_hosts(SimpleNamespace(cross_size=1))
     assert spans_hosts(SimpleNamespace())
+
+
+def test_a_pipeline_wait_that_times_out_names_the_message_and_the_silent_ranks():
+    never = Pending(lambda: False, lambda: None, lambda: None,
+                    what="a recv from rank 1 (tag 7) of 512 bytes")
+    wire = SimpleNamespace(timeout=0.05, send_async=None, recv_async=None,
+                           comm=SimpleNamespace(on_hosts=lambda ranks: "host h1; "))
+    notices = Notices(wire, peers=[1], tag=9)  # type: ignore[arg-type]
+    notices.inbox = {1: Pending(lambda: False, lambda: None, lambda: None)}
+    with pytest.raises(CollectiveTimeoutError) as err:
+        notices.wait(never)
+    assert str(err.value).startswith(
+        "pipeline: waited 0.05s for a recv from rank 1 (tag 7) of 512 bytes; pipeline rank 1 "
+        "did not arrive (host h1; no message and no notice of this step"), str(err.value)

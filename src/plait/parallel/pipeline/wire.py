@@ -266,21 +266,21 @@ class Notices:
                 break
             now = time.monotonic()
             if now - start > self.wire.timeout:
-                raise CollectiveTimeoutError(self._absent())
+                raise CollectiveTimeoutError(self._absent(getattr(h, "what", "")))
             if now - start < _SPIN_S:
                 os.sched_yield()
             else:
                 time.sleep(_NAP_S)
         return h.wait()
 
-    def _absent(self) -> str:
-        """The timeout message: the pipeline ranks (and their hosts) that sent neither
-        the awaited message nor a notice of this step."""
+    def _absent(self, what: str = "") -> str:
+        """The timeout message: the awaited message (``what``, if known) and the pipeline
+        ranks (and their hosts) that sent neither it nor a notice of this step."""
         missing = sorted(self.inbox)
         who = f"rank {missing[0]}" if len(missing) == 1 else f"ranks {missing}"
         on_hosts = getattr(self.wire.comm, "on_hosts", None)
         hosts = on_hosts(missing) if on_hosts is not None else ""
-        return (f"pipeline: waited {self.wire.timeout:g}s for a message; pipeline {who} did not "
+        return (f"pipeline: waited {self.wire.timeout:g}s for {what or 'a message'}; pipeline {who} did not "
                 f"arrive ({hosts}no message and no notice of this step: dead, stuck, or "
                 "unreachable)")
 
