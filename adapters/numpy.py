@@ -146,5 +146,13 @@ class NumpyOps:
     def unpackbits(self, packed: Any, count: int) -> np.ndarray:
         return np.unpackbits(np.asarray(packed, dtype=np.uint8), count=count).astype(bool)
 
+    def decode_bits(self, packed: Any, count: int, one: Any, zero: Any, dtype: str) -> np.ndarray:
+        table = np.where(_BYTE_BITS, np.asarray(one, dtype=dtype), np.asarray(zero, dtype=dtype))
+        return np.take(table, np.asarray(packed, dtype=np.uint8).ravel(), axis=0).ravel()[:count]
+
+
+#: Row ``b`` holds the 8 bits of byte ``b``, top bit first (see ``NumpyOps.decode_bits``).
+_BYTE_BITS = np.unpackbits(np.arange(256, dtype=np.uint8)).reshape(256, 8).view(np.bool_)
+
 
 OPS = NumpyOps()

@@ -199,17 +199,25 @@ class TFOps:
         return tf.reshape(tf.where(tf.reshape(unwrap(x), [-1])), [-1])
 
     def packbits(self, bits: Any) -> tf.Tensor:
-        flat = tf.cast(tf.reshape(unwrap(bits), [-1]), tf.int32)
-        flat = tf.pad(flat, [[0, (-int(flat.shape[0])) % 8]])
-        weights = tf.constant([128, 64, 32, 16, 8, 4, 2, 1], dtype=tf.int32)
-        return tf.cast(tf.reduce_sum(tf.reshape(flat, [-1, 8]) * weights, axis=1), tf.uint8)
+        flat = tf.cast(tf.reshape(unwrap(bits), [-1]), tf.uint8)
+        wide = tf.reshape(tf.pad(flat, [[0, (-int(flat.shape[0])) % 8]]), [-1, 8])
+        out = tf.bitwise.left_shift(wide[:, 0], 7)
+        for i in range(1, 8):
+            out = tf.bitwise.bitwise_or(out, tf.bitwise.left_shift(wide[:, i], 7 - i))
+        return out
 
     def unpackbits(self, packed: Any, count: int) -> tf.Tensor:
-        shifts = tf.constant([7, 6, 5, 4, 3, 2, 1, 0], dtype=tf.int32)
-        wide = tf.reshape(tf.cast(unwrap(packed), tf.int32), [-1, 1])
-        bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(wide, shifts), 1)
+        shifts = tf.constant([7, 6, 5, 4, 3, 2, 1, 0], dtype=tf.uint8)
+        bits = tf.bitwise.bitwise_and(tf.bitwise.right_shift(tf.reshape(unwrap(packed), [-1, 1]), shifts), 1)
         return tf.cast(tf.reshape(bits, [-1])[:count], tf.bool)
 
+    def decode_bits(self, packed: Any, count: int, one: Any, zero: Any, dtype: str) -> tf.Tensor:
+        table = tf.where(_BYTE_BITS, tf.cast(unwrap(one), dtype), tf.cast(unwrap(zero), dtype))
+        return tf.reshape(tf.gather(table, tf.cast(tf.reshape(unwrap(packed), [-1]), tf.int32)), [-1])[:count]
+
+
+#: Row ``b`` holds the 8 bits of byte ``b``, top bit first (see ``TFOps.decode_bits``).
+_BYTE_BITS = np.unpackbits(np.arange(256, dtype=np.uint8)).reshape(256, 8).view(np.bool_)
 
 _POSITIONS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _LAST_OP: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()

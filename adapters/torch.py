@@ -226,15 +226,40 @@ class TorchOps:
         return torch.nonzero(x.reshape(-1)).reshape(-1)
 
     def packbits(self, bits: torch.Tensor) -> torch.Tensor:
-        flat = bits.reshape(-1).to(torch.int32)
-        flat = torch.nn.functional.pad(flat, (0, (-flat.numel()) % 8))
-        weights = torch.tensor([128, 64, 32, 16, 8, 4, 2, 1], dtype=torch.int32, device=bits.device)
-        return (flat.reshape(-1, 8) * weights).sum(1).to(torch.uint8)
+        flat = bits.reshape(-1)
+        if flat.device.type == "cpu":  # numpy packs 10M bits in under a millisecond
+            return torch.from_numpy(np.packbits(flat.to(torch.bool).numpy()))
+        return _shift_pack(flat)
 
     def unpackbits(self, packed: torch.Tensor, count: int) -> torch.Tensor:
-        shifts = torch.arange(7, -1, -1, dtype=torch.int32, device=packed.device)
-        bits = (packed.reshape(-1, 1).to(torch.int32) >> shifts) & 1
-        return bits.reshape(-1)[:count].to(torch.bool)
+        if packed.device.type == "cpu":
+            bits = np.unpackbits(packed.reshape(-1).numpy(), count=count)
+            return torch.from_numpy(bits.view(np.bool_))
+        return _shift_unpack(packed, count)
+
+    def decode_bits(self, packed: torch.Tensor, count: int, one: Any, zero: Any, dtype: str) -> torch.Tensor:
+        table = torch.where(_BYTE_BITS.to(packed.device), torch.as_tensor(one, dtype=_FROM_NAME[dtype]),
+                            torch.as_tensor(zero, dtype=_FROM_NAME[dtype]))
+        return torch.index_select(table, 0, packed.reshape(-1).to(torch.int32)).reshape(-1)[:count]
+
+
+def _shift_pack(flat: torch.Tensor) -> torch.Tensor:
+    """:meth:`TorchOps.packbits` on any device: eight shifted uint8 columns or-ed together."""
+    wide = torch.nn.functional.pad(flat.to(torch.uint8), (0, (-flat.numel()) % 8)).reshape(-1, 8)
+    out = wide[:, 0] << 7
+    for i in range(1, 8):
+        out |= wide[:, i] << (7 - i)
+    return out
+
+
+def _shift_unpack(packed: torch.Tensor, count: int) -> torch.Tensor:
+    """:meth:`TorchOps.unpackbits` on any device."""
+    shifts = torch.arange(7, -1, -1, dtype=torch.uint8, device=packed.device)
+    return ((packed.reshape(-1, 1) >> shifts) & 1).reshape(-1)[:count].to(torch.bool)
+
+
+#: Row ``b`` holds the 8 bits of byte ``b``, top bit first (see ``TorchOps.decode_bits``).
+_BYTE_BITS = torch.from_numpy(np.unpackbits(np.arange(256, dtype=np.uint8)).reshape(256, 8).view(np.bool_))
 
 
 def collective_function(

@@ -13,7 +13,7 @@ starts one rank per host from inside the first one. Targets (reported, not
 asserted): top-k 1% with error feedback and PowerSGD rank 4 each >= 4x faster
 per step than uncompressed, accuracy within 1 point.
 
-    python benchmarks/compression.py [--quick|--smoke] [--out BASE] [--rate 1gbit] [--steps N]
+    python benchmarks/compression.py [--quick|--smoke] [--out BASE] [--rate 1gbit] [--steps N] [--only ROWS]
 """
 
 from __future__ import annotations
@@ -126,6 +126,8 @@ def _worker(args: Any) -> None:
     if args.steps:
         steps, warmup = max(args.steps, 3), 2
     names = QUICK if args.quick else tuple(PLAIT)
+    if args.only:
+        names = tuple(n for n in PLAIT if n in args.only.split(","))
     rows: list[dict[str, Any]] = []
     for name in names:
         expr, ef = PLAIT[name]
@@ -146,7 +148,10 @@ def _worker(args: Any) -> None:
 
     dist.init_process_group("gloo", init_method=f"tcp://{os.environ['PLAIT_BENCH_MASTER']}:29631",
                             rank=comm.rank, world_size=comm.size)
-    for name in DDP if not args.quick else DDP[::2]:
+    ddp_rows = DDP if not args.quick else DDP[::2]
+    if args.only:
+        ddp_rows = tuple(n for n in DDP if n in args.only.split(","))
+    for name in ddp_rows:
         model = _model()
         # torch's PowerSGD hook over gloo with several buckets mixes up the buckets' collectives
         # (a size-mismatch abort or a hang, torch 2.13): one bucket for the whole model.
@@ -238,7 +243,8 @@ def _outer(args: Any) -> int:
                               "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL", "GLOO_SOCKET_IFNAME")
                   for a in ("-x", v)],
                 sys.executable, str(Path(__file__).resolve()), "--worker", "1", "--out", args.out,
-                "--rate", args.rate, "--steps", str(args.steps), *(["--quick"] if args.quick else [])]
+                "--rate", args.rate, "--steps", str(args.steps), *(["--quick"] if args.quick else []),
+                *(["--only", args.only] if args.only else [])]
         env["GLOO_SOCKET_IFNAME"] = "eth0"
         proc = hosts.exec(hosts.hosts[0], argv, timeout=args.timeout, env=env, cwd=str(ROOT))
         sys.stdout.write(proc.stdout)
@@ -251,6 +257,7 @@ def main() -> int:
         p.add_argument("--rate", default="1gbit", help="tc rate of each host's link (default 1gbit)")
         p.add_argument("--steps", type=int, default=0,
                        help="training steps per row (default 45, 8 with --quick; 2 are warm-up)")
+        p.add_argument("--only", default="", help="comma-separated rows to run (names as in the table, DDP rows too)")
 
     args = parse_args((__doc__ or "").splitlines()[0], extra=extra)
     if args.smoke and not args.steps:

@@ -188,6 +188,16 @@ def test_packbits_matches_numpy_bit_order(fw):
     packed = ops.packbits(t)
     np.testing.assert_array_equal(arr(packed), np.packbits(bits))
     np.testing.assert_array_equal(arr(ops.unpackbits(packed, 21)), bits)
+    for dtype, one, zero in (("float32", 1.0, -1.0), ("float64", 0.5, -2.0)):
+        as_tensor = tensor(fw, np.array([one], dtype=dtype)) if dtype == "float64" else one
+        got = arr(ops.decode_bits(packed, 21, as_tensor, zero, dtype))
+        assert got.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(got, np.where(bits, one, zero))
+    if fw == "torch":  # the path for tensors off the host, run here on the host
+        from plait.adapters.torch import _shift_pack, _shift_unpack
+
+        np.testing.assert_array_equal(arr(_shift_pack(t)), np.packbits(bits))
+        np.testing.assert_array_equal(arr(_shift_unpack(packed, 21)), bits)
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)

@@ -145,3 +145,9 @@ class TensorOps(Protocol):
     def unpackbits(self, packed: Tensor, count: int) -> Tensor:
         """Inverse of :meth:`packbits`: the first ``count`` bits as a flat bool tensor."""
         ...
+
+    def decode_bits(self, packed: Tensor, count: int, one: Any, zero: Any, dtype: str) -> Tensor:
+        """The first ``count`` bits of ``packed`` (see :meth:`packbits`) as a flat
+        ``dtype`` tensor: ``one`` where a bit is set, ``zero`` elsewhere (numbers or
+        1-element tensors), in one pass through a 256-row table."""
+        ...

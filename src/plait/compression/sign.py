@@ -23,9 +23,9 @@ from .base import Compressor, Context, compute_dtype, prepare, restore
 __all__ = ["EFSignSGD", "OneBit", "SignSGD"]
 
 
-def _bits(ops: TensorOps, payload: Tensor, ctx: Context) -> Tensor:
-    """The sign bits of a payload as 1.0 / 0.0 in the compute dtype."""
-    return ops.cast(ops.unpackbits(payload, ctx.numel), compute_dtype(ctx.dtype))
+def _decode(ops: TensorOps, payload: Tensor, ctx: Context, one: Any, zero: Any) -> Tensor:
+    """A payload's sign bits as ``one`` (set) / ``zero`` (clear), in the tensor's shape and dtype."""
+    return restore(ops, ops.decode_bits(payload, ctx.numel, one, zero, compute_dtype(ctx.dtype)), ctx)
 
 
 def _vote(decoded: Sequence[Tensor]) -> Tensor:
@@ -63,7 +63,7 @@ class SignSGD(Compressor):
     def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
         """+1 for a set bit, -1 otherwise."""
         ops = ops_for(payload[0])
-        return restore(ops, _bits(ops, payload[0], ctx) * 2 - 1, ctx)
+        return _decode(ops, payload[0], ctx, 1.0, -1.0)
 
     def combine(self, decoded: Sequence[Tensor], average: bool) -> Tensor:
         """Majority vote: ``sign(sum_r decoded_r)``."""
@@ -98,14 +98,21 @@ class EFSignSGD(Compressor):
     def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
         """``scale`` for a set bit, ``-scale`` otherwise."""
         ops = ops_for(payload[1])
-        return restore(ops, (_bits(ops, payload[1], ctx) * 2 - 1) * payload[0], ctx)
+        return _decode(ops, payload[1], ctx, payload[0], -payload[0])
 
     def combine(self, decoded: Sequence[Tensor], average: bool) -> Tensor:
         """Scale-weighted vote, times the mean (or summed) scale of the ranks."""
         ops = ops_for(decoded[0])
-        scale = ops.amax(ops.abs(decoded[0]))
-        for d in decoded[1:]:
-            scale = scale + ops.amax(ops.abs(d))
+        n = 1
+        for d in ops.shape(decoded[0]):
+            n *= d
+        if n == 0:
+            return decoded[0]
+        # every element of a rank's decoded tensor is +-scale: its first one says it
+        scales = [ops.reshape(ops.abs(ops.split(ops.reshape(d, [-1]), [1, n - 1])[0]), []) for d in decoded]
+        scale = scales[0]
+        for s in scales[1:]:
+            scale = scale + s
         return _vote(decoded) * (scale / len(decoded) if average else scale)
 
 
@@ -132,8 +139,9 @@ class OneBit(Compressor):
         bits = flat >= 0
         pos = ops.cast(bits, compute_dtype(ctx.dtype))
         count = ops.sum(pos)
-        pos_mean = ops.sum(flat * pos) / ops.clamp_min(count, 1.0)
-        neg_mean = ops.sum(flat * (1 - pos)) / ops.clamp_min(ctx.numel - count, 1.0)
+        pos_sum = ops.sum(flat * pos)
+        pos_mean = pos_sum / ops.clamp_min(count, 1.0)
+        neg_mean = (ops.sum(flat) - pos_sum) / ops.clamp_min(ctx.numel - count, 1.0)
         means = ops.concat([ops.reshape(pos_mean, [1]), ops.reshape(neg_mean, [1])])
         return [means, ops.packbits(bits)], ctx
 
@@ -141,5 +149,4 @@ class OneBit(Compressor):
         """The positive mean for a set bit, the negative mean otherwise."""
         ops = ops_for(payload[1])
         pos_mean, neg_mean = ops.split(payload[0], [1, 1])
-        b = _bits(ops, payload[1], ctx)
-        return restore(ops, b * pos_mean + (1 - b) * neg_mean, ctx)
+        return _decode(ops, payload[1], ctx, pos_mean, neg_mean)
