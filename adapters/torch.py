@@ -220,7 +220,7 @@ class TorchOps:
         return x.clamp_min(value)
 
     def transpose(self, x: torch.Tensor) -> torch.Tensor:
-        return x.t()
+        return x.t().contiguous()
 
     def nonzero(self, x: torch.Tensor) -> torch.Tensor:
         return torch.nonzero(x.reshape(-1)).reshape(-1)

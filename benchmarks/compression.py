@@ -127,7 +127,7 @@ def _worker(args: Any) -> None:
         steps, warmup = max(args.steps, 3), 2
     names = QUICK if args.quick else tuple(PLAIT)
     if args.only:
-        names = tuple(n for n in PLAIT if n in args.only.split(","))
+        names = tuple(n for n in PLAIT if n == "none" or n in args.only.split(","))  # none: the baseline
     rows: list[dict[str, Any]] = []
     for name in names:
         expr, ef = PLAIT[name]
@@ -257,7 +257,8 @@ def main() -> int:
         p.add_argument("--rate", default="1gbit", help="tc rate of each host's link (default 1gbit)")
         p.add_argument("--steps", type=int, default=0,
                        help="training steps per row (default 45, 8 with --quick; 2 are warm-up)")
-        p.add_argument("--only", default="", help="comma-separated rows to run (names as in the table, DDP rows too)")
+        p.add_argument("--only", default="",
+                       help="comma-separated rows to run besides none (names as in the table, DDP rows too)")
 
     args = parse_args((__doc__ or "").splitlines()[0], extra=extra)
     if args.smoke and not args.steps:

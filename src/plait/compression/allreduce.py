@@ -85,8 +85,12 @@ def compressed_allreduce(
     compensated = memory.compensate(tensor, name)
     if isinstance(compressor, Exchanger):
         payload, ctx, sent = compressor.exchange(comm, compensated, name, average)
-        memory.update(compensated, name, compressor, payload, ctx)
         result = compressor.decompress(payload, ctx)
+        known = getattr(memory, "update_decoded", None)  # the payload came back: decode it once
+        if known is not None:
+            known(compensated, name, result)
+        else:
+            memory.update(compensated, name, compressor, payload, ctx)
     else:
         payload, ctx = compressor.compress(compensated, name)
         memory.update(compensated, name, compressor, payload, ctx)

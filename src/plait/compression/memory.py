@@ -102,7 +102,18 @@ class Residual:
         self, tensor: Tensor, name: str, compressor: Compressor, payload: Sequence[Tensor], ctx: Any
     ) -> None:
         """Store ``tensor - compressor.decompress(payload, ctx)`` for ``name``."""
-        self.residuals[name] = tensor - compressor.decompress(payload, ctx)
+        self.update_decoded(tensor, name, compressor.decompress(payload, ctx))
+
+    def update_decoded(self, tensor: Tensor, name: str, decoded: Tensor) -> None:
+        """Store ``tensor - decoded`` for ``name``, where ``decoded`` is the decompressed payload
+        (:func:`~plait.compression.compressed_allreduce` calls this when it decoded the payload anyway).
+
+        Args:
+            tensor: the compensated tensor that was compressed.
+            name: its name.
+            decoded: what the receivers decode.
+        """
+        self.residuals[name] = tensor - decoded
 
     def reset(self) -> None:
         """Forget every residual (e.g. after loading a checkpoint)."""
