@@ -29,6 +29,10 @@ MIN_BYTES = 64 * 1024
 MAX_BYTES = 1 << 30
 #: ... and its oldest buffer of a size beyond this many of that size.
 MAX_PER_SIZE = 16
+#: Buffers start at a multiple of this many bytes: TensorFlow takes a host op's
+#: numpy output without a copy only when it is this aligned (measured: 19 MB
+#: returned by ``tf.numpy_function``, 1.8 ms copied, 0.36 ms aligned).
+ALIGN = 64
 
 
 class BufferPool:
@@ -68,13 +72,21 @@ class BufferPool:
         for i in range(len(bases)):
             # referred to by the list and by getrefcount's argument only: unused
             if sys.getrefcount(bases[i]) == 2:
-                return bases[i].view(dtype).reshape(shape)
-        base = np.empty(n, dtype=np.uint8)
+                return _aligned(bases[i], n).view(dtype).reshape(shape)
+        base = np.empty(n + ALIGN, dtype=np.uint8)
         bases.append(base)
         self._bytes += n
         if len(bases) > MAX_PER_SIZE:
-            self._bytes -= bases.pop(0).nbytes
+            bases.pop(0)
+            self._bytes -= n
         while self._bytes > self.max_bytes and len(self._by_size) > 1:
-            _, dropped = self._by_size.popitem(last=False)
-            self._bytes -= sum(b.nbytes for b in dropped)
-        return base.view(dtype).reshape(shape)
+            size, dropped = self._by_size.popitem(last=False)
+            self._bytes -= size * len(dropped)
+        return _aligned(base, n).view(dtype).reshape(shape)
+
+
+def _aligned(base: np.ndarray, n: int) -> np.ndarray:
+    """The ``n`` bytes of ``base`` that start at a multiple of :data:`ALIGN` (a view,
+    whose own views all name ``base`` as their base)."""
+    start = -base.ctypes.data % ALIGN
+    return base[start:start + n]

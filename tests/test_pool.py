@@ -48,3 +48,11 @@ def test_small_buffers_are_not_pooled_and_the_pool_is_bounded(monkeypatch: pytes
     assert pool._bytes <= 3 * kept[0].nbytes
     pool.empty((512, 128), np.dtype(np.float32))  # another size: over max_bytes, the oldest size goes
     assert pool._bytes <= pool.max_bytes
+
+
+def test_buffers_are_aligned_for_tensorflow_to_take_them_without_a_copy() -> None:
+    pool = BufferPool()
+    for shape in (SHAPE, (SHAPE[0] * SHAPE[1] + 3,), (70_001,)):
+        held = [pool.empty(shape, np.dtype(np.float32)) for _ in range(3)]
+        assert all(a.ctypes.data % pool_module.ALIGN == 0 for a in held)
+        assert all(a.base is not None and a.base.base is None for a in held)  # the pooled owner itself
