@@ -20,7 +20,7 @@ typecheck: setup
 	$(PY) -m mypy
 
 test: setup lint typecheck
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q --durations=25
 
 demo: setup
 	$(PY) -m plait.cli run -np 2 --backend mpi -- $(PY) examples/torch_digits.py
