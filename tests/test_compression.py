@@ -432,3 +432,21 @@ def test_gradient_reducer_validates_and_counts_plain_and_compressed_traffic():
             reducer.finish(lambda spec: None)
         assert [(t.sent, t.raw, t.calls) for t in stats.steps] == [(sent, 440, 1)] * 2, compressor
         assert stats.last_step.sent == sent and stats.ratio == pytest.approx(440 / sent)
+
+
+@pytest.mark.parametrize("kind", ["qsgd", "terngrad"])
+def test_random_rounding_never_passes_the_top_level(kind, monkeypatch):
+    """Every uniform draw at its largest, just below 1: rounding to nearest in the
+    random rounding must not make the largest element's code the next level up."""
+    from plait.adapters import numpy as numpy_adapter
+
+    top = np.nextafter(np.float32(1), np.float32(0))
+    monkeypatch.setattr(numpy_adapter.NumpyOps, "uniform",
+                        lambda self, shape, seed, like: np.full(shape, top, dtype=np.float32))
+    for x in (np.array([3.0, 0.0, -0.0], np.float32), np.array([-1e-3, 2.5, -2.5, 1e-30], np.float32)):
+        c: Any = QSGD(levels=1, seed=1) if kind == "qsgd" else TernGrad(seed=1)
+        payload, ctx = c.compress(x, "w")
+        codes = np.asarray(payload[1])
+        assert np.abs(codes).max() <= 1, codes
+        decoded = np.asarray(c.decompress(payload, ctx))
+        assert set(np.abs(decoded).tolist()) <= {0.0, float(payload[0][0])}, decoded

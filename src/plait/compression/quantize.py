@@ -24,10 +24,15 @@ __all__ = ["QSGD", "TernGrad"]
 _TINY = 1e-30
 
 
-def _bernoulli(ops: TensorOps, p: Tensor, seed: int, like: Tensor, dtype: str) -> Tensor:
-    """1.0 with probability ``p`` (element-wise), else 0.0, in ``dtype``."""
-    u = ops.cast(ops.uniform(ops.shape(like), seed, like), dtype)
-    return ops.cast(u < p, dtype)
+#: QSGD and TernGrad scale by a norm (a maximum) this much too large: ``floor(x + u)``
+#: then never rounds past the top level, and the decode, by the same norm, stays unbiased.
+_WIDEN = 1 + 1e-6
+
+
+def _round(ops: TensorOps, x: Tensor, seed: int, like: Tensor, dtype: str) -> Tensor:
+    """``x`` (>= 0) rounded down or up at random, up with probability ``x - floor(x)``:
+    ``floor(x + u)``, ``u`` uniform in [0, 1), so ``E[result] = x``; in ``dtype``."""
+    return ops.floor(x + ops.cast(ops.uniform(ops.shape(like), seed, like), dtype))
 
 
 class QSGD(Compressor):
@@ -67,11 +72,8 @@ class QSGD(Compressor):
         """
         ops, flat, ctx = prepare(tensor, name, self)
         dtype = compute_dtype(ctx.dtype)
-        norm = ops.norm(flat)
-        scaled = ops.abs(flat) / ops.clamp_min(norm, _TINY) * self.levels
-        low = ops.floor(scaled)
-        q = low + _bernoulli(ops, scaled - low, self._seeds.next(name), flat, dtype)
-        q = self.levels - ops.clamp_min(self.levels - q, 0.0)  # rounding never exceeds s
+        norm = ops.clamp_min(ops.norm(flat), _TINY) * _WIDEN
+        q = _round(ops, ops.abs(flat) * (self.levels / norm), self._seeds.next(name), flat, dtype)
         return [ops.reshape(norm, [1]), ops.cast(q * ops.sign(flat), self._code)], ctx
 
     def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
@@ -114,8 +116,9 @@ class TernGrad(Compressor):
         ops, flat, ctx = prepare(tensor, name, self)
         dtype = compute_dtype(ctx.dtype)
         mag = ops.abs(flat)
-        scale = ops.amax(mag) if ctx.numel else ops.zeros([], dtype, flat)
-        keep = _bernoulli(ops, mag / ops.clamp_min(scale, _TINY), self._seeds.next(name), flat, dtype)
+        top = ops.amax(mag) if ctx.numel else ops.zeros([], dtype, flat)
+        scale = ops.clamp_min(top, _TINY) * _WIDEN  # as in QSGD: every code stays in {-1, 0, 1}
+        keep = _round(ops, mag * (1 / scale), self._seeds.next(name), flat, dtype)
         return [ops.reshape(scale, [1]), ops.cast(keep * ops.sign(flat), "int8")], ctx
 
     def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
