@@ -104,6 +104,11 @@ class NumpyOps:
         np.add.at(out, np.asarray(indices), values)
         return out
 
+    def zero_at(self, x: Any, indices: Any) -> np.ndarray:
+        out = np.array(x).ravel()  # a copy
+        out[np.asarray(indices)] = 0
+        return out
+
     def matmul(self, a: Any, b: Any) -> np.ndarray:
         return np.matmul(a, b)
 

@@ -162,6 +162,11 @@ class TFOps:
         idx = tf.reshape(tf.cast(indices, tf.int64), [-1, 1])
         return tf.scatter_nd(idx, values, tf.constant([size], dtype=tf.int64))
 
+    def zero_at(self, x: Any, indices: Any) -> tf.Tensor:
+        flat = tf.reshape(unwrap(x), [-1])
+        idx = tf.reshape(tf.cast(indices, tf.int64), [-1, 1])
+        return tf.tensor_scatter_nd_update(flat, idx, tf.zeros(tf.shape(idx)[:1], flat.dtype))
+
     def matmul(self, a: Any, b: Any) -> tf.Tensor:
         return tf.matmul(unwrap(a), unwrap(b))
 

@@ -189,6 +189,9 @@ class TorchOps:
         out = torch.zeros(size, dtype=values.dtype, device=values.device)
         return out.index_add_(0, indices, values)
 
+    def zero_at(self, x: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+        return x.reshape(-1).clone().index_fill_(0, indices, 0)
+
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a @ b
 

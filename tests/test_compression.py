@@ -450,3 +450,19 @@ def test_random_rounding_never_passes_the_top_level(kind, monkeypatch):
         assert np.abs(codes).max() <= 1, codes
         decoded = np.asarray(c.decompress(payload, ctx))
         assert set(np.abs(decoded).tolist()) <= {0.0, float(payload[0][0])}, decoded
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_sparse_residual_is_the_dropped_part_also_for_a_subclass(fw):
+    class Scaled(TopK):  # sends its values doubled: the residual must follow its decode
+        def compress(self, tensor, name):
+            payload, ctx = super().compress(tensor, name)
+            return [payload[0] * 2, payload[1]], ctx
+
+    x = normal((6, 5), seed=9)
+    for c in (TopK(0.2), Threshold(0.5), Scaled(0.2)):
+        payload, ctx = c.compress(tensor(fw, x), "w")
+        want = arr(tensor(fw, x)) - arr(c.decompress(payload, ctx))
+        got = arr(c.residual(tensor(fw, x), payload, ctx))
+        assert got.shape == x.shape
+        np.testing.assert_array_equal(got, want)

@@ -43,11 +43,21 @@ class _Positional(Compressor):
     """A payload of ``[values, positions]``: every rank's, concatenated, is scattered
     into one dense tensor (duplicate positions add up, in rank order)."""
 
+    def residual(self, tensor: Tensor, payload: Sequence[Tensor], ctx: Any) -> Tensor:
+        """``tensor - decompress(payload, ctx)`` for this rank's own payload, whose values
+        are ``tensor``'s own at distinct positions: ``tensor`` with those positions
+        zeroed (one pass instead of a dense decode and a subtraction). A subclass with
+        its own ``compress`` gets the plain difference."""
+        if type(self).compress not in (TopK.compress, Threshold.compress):
+            return tensor - self.decompress(payload, ctx)
+        ops = ops_for(tensor)
+        return ops.reshape(ops.zero_at(tensor, ops.cast(payload[1], "int64")), ctx.shape)
+
     def decode_gathered(self, gathered: Sequence[Tensor], counts: Any, ctx: Any,
                         average: bool) -> Tensor:
         ops = ops_for(gathered[0])
-        total = ops.scatter(ops.cast(gathered[1], "int64"), gathered[0], ctx.numel)
-        return restore(ops, total / len(counts) if average else total, ctx)
+        values = gathered[0] / len(counts) if average else gathered[0]  # the few sent, not the dense sum
+        return restore(ops, ops.scatter(ops.cast(gathered[1], "int64"), values, ctx.numel), ctx)
 
 
 class TopK(_Positional):
