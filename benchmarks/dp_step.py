@@ -38,6 +38,8 @@ BATCH = 32
 MLP = (784, 2048, 1536, 10)
 PEERS = {"torch": ["horovod", "ddp-gloo"], "tensorflow": ["horovod", "tf-mwms"]}
 PLAIT = ["plait-mpi", "plait-horovod"]
+#: consecutive warm-up steps of every implementation before the timed, interleaved repeats
+WARMUP_STEPS = 15
 
 
 def _plan(args: Any) -> tuple[int, int, list[str]]:
@@ -54,10 +56,14 @@ def _measure(world: Any, impls: dict[str, Callable[[], None]], args: Any,
     from mpi4py import MPI
 
     repeats, steps, _ = _plan(args)
-    for name, fn in impls.items():  # warm up (graph tracing, buffers, connections)
+    # warm up (graph tracing, buffers, connections) with consecutive steps: plait's bucket
+    # autotuning (4 sizes x 3 steps) times whole steps, which the interleaved repeats below
+    # would stretch by the other implementations' time
+    warmup = 2 if args.smoke else WARMUP_STEPS
+    for name, fn in impls.items():
         if name not in only_rank0 or world.rank == 0:
-            fn()
-            fn()
+            for _ in range(warmup):
+                fn()
         world.Barrier()
     samples = np.zeros((len(impls), repeats))
     for r in range(repeats):
