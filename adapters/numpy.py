@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["OPS", "NumpyOps", "bf16_to_f32", "f32_to_bf16"]
+__all__ = ["BYTE_BITS", "OPS", "NumpyOps", "bf16_to_f32", "f32_to_bf16"]
 
 
 def bf16_to_f32(bits: np.ndarray) -> np.ndarray:
@@ -152,12 +152,13 @@ class NumpyOps:
         return np.unpackbits(np.asarray(packed, dtype=np.uint8), count=count).astype(bool)
 
     def decode_bits(self, packed: Any, count: int, one: Any, zero: Any, dtype: str) -> np.ndarray:
-        table = np.where(_BYTE_BITS, np.asarray(one, dtype=dtype), np.asarray(zero, dtype=dtype))
+        table = np.where(BYTE_BITS, np.asarray(one, dtype=dtype), np.asarray(zero, dtype=dtype))
         return np.take(table, np.asarray(packed, dtype=np.uint8).ravel(), axis=0).ravel()[:count]
 
 
-#: Row ``b`` holds the 8 bits of byte ``b``, top bit first (see ``NumpyOps.decode_bits``).
-_BYTE_BITS = np.unpackbits(np.arange(256, dtype=np.uint8)).reshape(256, 8).view(np.bool_)
+#: Row ``b`` holds the 8 bits of byte ``b``, top bit first: the table of every
+#: adapter's ``decode_bits``.
+BYTE_BITS = np.unpackbits(np.arange(256, dtype=np.uint8)).reshape(256, 8).view(np.bool_)
 
 
 OPS = NumpyOps()

@@ -18,6 +18,8 @@ import tensorflow as tf
 
 from plait.errors import ConfigError, MismatchError, PlaitTypeError
 
+from .numpy import BYTE_BITS
+
 __all__ = ["OPS", "TFConfigError", "TFMismatchError", "TFOps", "bracketed", "collective_function",
            "executing_eagerly", "graph_position", "tf_errors", "unwrap"]
 
@@ -217,12 +219,9 @@ class TFOps:
         return tf.cast(tf.reshape(bits, [-1])[:count], tf.bool)
 
     def decode_bits(self, packed: Any, count: int, one: Any, zero: Any, dtype: str) -> tf.Tensor:
-        table = tf.where(_BYTE_BITS, tf.cast(unwrap(one), dtype), tf.cast(unwrap(zero), dtype))
+        table = tf.where(BYTE_BITS, tf.cast(unwrap(one), dtype), tf.cast(unwrap(zero), dtype))
         return tf.reshape(tf.gather(table, tf.cast(tf.reshape(unwrap(packed), [-1]), tf.int32)), [-1])[:count]
 
-
-#: Row ``b`` holds the 8 bits of byte ``b``, top bit first (see ``TFOps.decode_bits``).
-_BYTE_BITS = np.unpackbits(np.arange(256, dtype=np.uint8)).reshape(256, 8).view(np.bool_)
 
 _POSITIONS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _LAST_OP: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()

@@ -15,6 +15,8 @@ import torch
 
 from plait.errors import PlaitTypeError
 
+from .numpy import BYTE_BITS
+
 __all__ = ["OPS", "TorchOps", "collective_function", "grouped_collective_function"]
 
 _TO_NAME = {
@@ -261,8 +263,7 @@ def _shift_unpack(packed: torch.Tensor, count: int) -> torch.Tensor:
     return ((packed.reshape(-1, 1) >> shifts) & 1).reshape(-1)[:count].to(torch.bool)
 
 
-#: Row ``b`` holds the 8 bits of byte ``b``, top bit first (see ``TorchOps.decode_bits``).
-_BYTE_BITS = torch.from_numpy(np.unpackbits(np.arange(256, dtype=np.uint8)).reshape(256, 8).view(np.bool_))
+_BYTE_BITS = torch.from_numpy(BYTE_BITS)
 
 
 def collective_function(
