@@ -142,6 +142,34 @@ class _World:
         return self.communicators
 
 
+class _TorchCheck:
+    """An agreement check started in horovod.torch: a MIN allreduce of a call's digest.
+
+    Args:
+        comm: the communicator that started it.
+        call: what this rank called.
+        name: the check's Horovod op name.
+        handle: Horovod's handle of the check.
+        digest: the check's input tensor (kept alive while Horovod reads it).
+    """
+
+    def __init__(self, comm: HorovodCommunicator, call: Call, name: str, handle: Any,
+                 digest: Any) -> None:
+        self.comm, self.call, self.name, self.handle, self.digest = comm, call, name, handle, digest
+
+    def agrees(self, lo: Any) -> bool:
+        """Whether the reduced digest ``lo`` says every rank made this call."""
+        return agreed(np.asarray(self.comm._w.ops.to_numpy(lo)))
+
+    def verify(self, lo: Any) -> None:
+        """Raise :class:`~plait.errors.MismatchError` (on every rank: all of them see the
+        same ``lo``) unless ``lo`` agrees; None: known to differ."""
+        if lo is None or not self.agrees(lo):  # several checks may be in flight: report this one
+            comm = self.comm
+            raise mismatch(self.call, lambda row: comm._raw_allgather_rows(row, self.name),
+                           f"the {comm.backend} communicator of size {comm.size}")
+
+
 class HorovodCommunicator(CommunicatorBase):
     """:class:`~plait.protocols.Communicator` over Horovod.
 
@@ -305,18 +333,18 @@ class HorovodCommunicator(CommunicatorBase):
         if self.framework != "torch" and any(self._w.ops.is_symbolic(a) for a in args[:1]):
             self._verify(call)  # once, when the graph is built
             return Done(finish(self._graph_op(fn, what, *args, **kwargs)))
-        checked = self._check_async(call)
         if self.framework == "torch":
+            check = self._check_torch(call)
             started = self._enqueue(f"{fn}_async_" if inplace else f"{fn}_async", what, *args,
                                     **kwargs)
             result: list[Any] = []
 
-            def wait_torch() -> None:
-                checked.wait()
-                result.append(self._wait_torch(started, what))
+            def done() -> bool:
+                return bool(hvd.poll(started)) and (check is None or bool(hvd.poll(check.handle)))
 
-            return Pending(lambda: hvd.poll(started) and checked.done(), wait_torch,
-                           lambda: finish(result[0]), started)
+            return Pending(done, lambda: result.append(self._wait_torch(started, what, check)),
+                           lambda: finish(result[0]), (started, check))
+        checked = self._check_async(call)
         future = self._w.worker().submit(getattr(hvd, fn), *args, **kwargs)
 
         def wait_tf() -> None:
@@ -353,19 +381,22 @@ class HorovodCommunicator(CommunicatorBase):
             else:
                 super()._verify(call)
             return Done(None)
+        check = self._check_torch(call)
+        if check is None:
+            return Done(None)
+        return Pending(lambda: bool(self._hvd.poll(check.handle)),
+                       lambda: check.verify(self._wait_torch(check.handle)), lambda: None, check)
+
+    def _check_torch(self, call: Call) -> _TorchCheck | None:
+        """Start the agreement check of ``call`` in horovod.torch (None with the check off)."""
+        if not (self.check and self.size > 1):
+            return None
         self._call = call
         digest = _from_numpy(self._w.ops, encode(call))
         name = self._check_name()
         h = self._enqueue("allreduce_async", f"the agreement check {name!r}", digest, op=self._hvd.Min,
                           name=name, process_set=self._set)
-
-        def wait() -> None:
-            lo = np.asarray(self._w.ops.to_numpy(self._wait_torch(h)))
-            if not agreed(lo):  # several checks may be in flight: report this one
-                raise mismatch(call, lambda row: self._raw_allgather_rows(row, name),
-                               f"the {self.backend} communicator of size {self.size}")
-
-        return Pending(lambda: bool(self._hvd.poll(h)), wait, lambda: None, digest)
+        return _TorchCheck(self, call, name, h, digest)
 
     def _verify(self, call: Call) -> None:
         self._check_async(call).wait()
@@ -437,18 +468,35 @@ class HorovodCommunicator(CommunicatorBase):
         return (f"plait: rank {self.rank}: plait.errors.CollectiveTimeoutError: waited "
                 f"{self.timeout:g}s for {waited_for}; ending this rank (SIGKILL)")
 
-    def _wait_torch(self, started: Any, what: str | None = None) -> Any:
+    def _wait_torch(self, started: Any, what: str | None = None,
+                    check: _TorchCheck | None = None) -> Any:
         """``hvd.synchronize(started)``, raising :class:`CollectiveTimeoutError` after
-        ``self.timeout`` seconds (Horovod's own wait has no timeout)."""
+        ``self.timeout`` seconds (Horovod's own wait has no timeout).
+
+        With ``check``, its agreement check is waited for first, in the same hand-off
+        to the waiting thread (each hand-off costs a thread wake-up and the GIL); when
+        the calls differ, ``started`` is not waited for (it may never complete) and
+        :class:`~plait.errors.MismatchError` is raised.
+        """
         hvd = self._hvd
-        if hvd.poll(started):
-            return hvd.synchronize(started)
-        try:  # blocked in Horovod's own wait, on another thread: no CPU taken from
-            # Horovod's background thread (polling here cost 3.5 ms of an 11 ms allreduce)
-            return self._w.waits.wait(started, self.timeout,  # type: ignore[union-attr]
-                                      self._tick())
-        except TimeoutError:
-            raise self._timed_out(what) from None
+
+        def block(handle: Any) -> Any:
+            if check is not None and not check.agrees(hvd.synchronize(check.handle)):
+                return check  # the calls differ: ``handle`` may never complete
+            return hvd.synchronize(handle)
+
+        if hvd.poll(started) and (check is None or hvd.poll(check.handle)):
+            out = block(started)
+        else:
+            try:  # blocked in Horovod's own wait, on another thread: no CPU taken from
+                # Horovod's background thread (polling here cost 3.5 ms of an 11 ms allreduce)
+                out = self._w.waits.wait(started, self.timeout,  # type: ignore[union-attr]
+                                         self._tick(), block=block)
+            except TimeoutError:
+                raise self._timed_out(what) from None
+        if check is not None and out is check:
+            check.verify(None)
+        return out
 
     def _tick(self) -> Callable[[], None] | None:
         """What a wait calls now and then: in an MPI job, answer ranks that timed out

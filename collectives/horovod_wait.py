@@ -54,26 +54,26 @@ def wait_ticking(wait: Callable[[float], bool], timeout: float,
 class _Box:
     """One wait's outcome, handed from a waiting thread to the caller."""
 
-    def __init__(self, handle: Any) -> None:
+    def __init__(self, handle: Any, block: Callable[[Any], Any]) -> None:
         self.handle = handle
+        self.block = block
         self.done = threading.Event()
         self.value: Any = None
         self.error: BaseException | None = None
 
 
 class _Thread:
-    """A daemon thread that runs ``block(handle)`` for one box at a time."""
+    """A daemon thread that runs ``box.block(box.handle)`` for one box at a time."""
 
-    def __init__(self, block: Callable[[Any], Any], name: str) -> None:
+    def __init__(self, name: str) -> None:
         self.jobs: queue.SimpleQueue[_Box] = queue.SimpleQueue()
-        self._block = block
         threading.Thread(target=self._run, daemon=True, name=name).start()
 
     def _run(self) -> None:
         while True:
             box = self.jobs.get()
             try:
-                box.value = self._block(box.handle)
+                box.value = box.block(box.handle)
             except BaseException as exc:  # handed to the caller, who raises it
                 box.error = exc
             box.done.set()
@@ -96,7 +96,7 @@ class BlockingWaits:
         self.threads = 0  #: threads started so far (one per concurrent or abandoned wait)
 
     def wait(self, handle: Any, timeout: float, tick: Callable[[], object] | None = None,
-             every: float = 0.05) -> Any:
+             every: float = 0.05, block: Callable[[Any], Any] | None = None) -> Any:
         """``block(handle)``, waited for at most ``timeout`` seconds.
 
         Args:
@@ -105,6 +105,8 @@ class BlockingWaits:
             tick: called every ``every`` seconds while it waits (answers the other
                 ranks' questions, see :meth:`plait.collectives.mpi.MPICommunicator.arrivals`).
             every: seconds between ticks.
+            block: this wait's blocking function instead of the one given at
+                construction (e.g. one that waits for two handles in one go).
 
         Returns:
             What ``block`` returned.
@@ -119,8 +121,8 @@ class BlockingWaits:
                 thread = self._idle.pop()
             else:
                 self.threads += 1
-                thread = _Thread(self._block, f"{self._name}-{self.threads}")
-        box = _Box(handle)
+                thread = _Thread(f"{self._name}-{self.threads}")
+        box = _Box(handle, self._block if block is None else block)
         thread.jobs.put(box)
         if not wait_ticking(box.done.wait, timeout, tick, every):
             raise TimeoutError(f"no result within {timeout:g}s")

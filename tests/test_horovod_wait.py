@@ -99,3 +99,20 @@ def test_a_ticking_wait_ticks_while_it_waits_and_still_times_out() -> None:
     assert 0.25 < time.monotonic() - start < 10.0
     assert ticks, "no tick while it waited"
     handles.finish(1)
+
+
+def test_a_wait_with_its_own_block_waits_for_two_handles_in_one_hand_off() -> None:
+    handles = _Handles()
+    waits = BlockingWaits(handles.synchronize)
+    handles.start(0, "check")
+    handles.start(1, "data")
+
+    def both(h: int) -> object:
+        return handles.synchronize(0), handles.synchronize(h)
+
+    threading.Timer(0.05, handles.finish, (1,)).start()
+    threading.Timer(0.1, handles.finish, (0,)).start()
+    assert waits.wait(1, 5.0, block=both) == ("check", "data")
+    handles.finish(handles.start(2, "plain"))
+    assert waits.wait(2, 5.0) == "plain"  # the next wait blocks with the default again
+    assert waits.threads == 1
