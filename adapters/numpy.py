@@ -91,9 +91,10 @@ class NumpyOps:
     def norm(self, x: Any) -> np.ndarray:
         return np.asarray(np.linalg.norm(np.asarray(x, dtype=np.float64).ravel()), dtype=x.dtype)
 
-    def topk(self, x: Any, k: int) -> tuple[np.ndarray, np.ndarray]:
+    def topk(self, x: Any, k: int, magnitude: bool = False) -> tuple[np.ndarray, np.ndarray]:
         flat = np.asarray(x).ravel()
-        idx = np.argpartition(-flat, k - 1)[:k] if k < flat.size else np.arange(flat.size)
+        key = -np.abs(flat) if magnitude else -flat
+        idx = np.argpartition(key, k - 1)[:k] if k < flat.size else np.arange(flat.size)
         return flat[idx], idx.astype(np.int64)
 
     def gather(self, x: Any, indices: Any) -> np.ndarray:
@@ -104,10 +105,15 @@ class NumpyOps:
         np.add.at(out, np.asarray(indices), values)
         return out
 
-    def zero_at(self, x: Any, indices: Any) -> np.ndarray:
-        out = np.array(x).ravel()  # a copy
+    def zero_at(self, x: Any, indices: Any, inplace: bool = False) -> np.ndarray:
+        out = x.reshape(-1) if inplace else np.array(x).ravel()  # a view of x, or a copy
         out[np.asarray(indices)] = 0
         return out
+
+    def add_into(self, acc: Any, x: Any, a: float = 1.0, b: float = 1.0) -> np.ndarray:
+        if a != 1.0:
+            np.multiply(acc, a, out=acc)
+        return np.add(acc, x if b == 1.0 else np.multiply(x, b), out=acc)  # type: ignore[no-any-return]
 
     def matmul(self, a: Any, b: Any) -> np.ndarray:
         return np.matmul(a, b)

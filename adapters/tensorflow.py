@@ -152,10 +152,10 @@ class TFOps:
     def norm(self, x: Any) -> tf.Tensor:
         return tf.norm(tf.reshape(unwrap(x), [-1]))
 
-    def topk(self, x: Any, k: int) -> tuple[tf.Tensor, tf.Tensor]:
+    def topk(self, x: Any, k: int, magnitude: bool = False) -> tuple[tf.Tensor, tf.Tensor]:
         flat = tf.reshape(unwrap(x), [-1])
-        values, indices = tf.math.top_k(flat, k=k, sorted=False)
-        return values, tf.cast(indices, tf.int64)
+        _, indices = tf.math.top_k(tf.abs(flat) if magnitude else flat, k=k, sorted=False)
+        return tf.gather(flat, indices), tf.cast(indices, tf.int64)
 
     def gather(self, x: Any, indices: Any) -> tf.Tensor:
         return tf.gather(tf.reshape(unwrap(x), [-1]), indices)
@@ -164,7 +164,11 @@ class TFOps:
         idx = tf.reshape(tf.cast(indices, tf.int64), [-1, 1])
         return tf.scatter_nd(idx, values, tf.constant([size], dtype=tf.int64))
 
-    def zero_at(self, x: Any, indices: Any) -> tf.Tensor:
+    def add_into(self, acc: Any, x: Any, a: float = 1.0, b: float = 1.0) -> tf.Tensor:
+        acc, x = unwrap(acc), unwrap(x)
+        return (acc if a == 1.0 else acc * a) + (x if b == 1.0 else x * b)
+
+    def zero_at(self, x: Any, indices: Any, inplace: bool = False) -> tf.Tensor:
         flat = tf.reshape(unwrap(x), [-1])
         idx = tf.reshape(tf.cast(indices, tf.int64), [-1, 1])
         return tf.tensor_scatter_nd_update(flat, idx, tf.zeros(tf.shape(idx)[:1], flat.dtype))

@@ -131,10 +131,12 @@ def test_topk_keeps_exactly_the_k_largest_magnitudes(fw):
     np.testing.assert_array_equal(out.ravel()[largest], x.ravel()[largest])
 
 
+@pytest.mark.parametrize("magnitude", [False, True])
 @pytest.mark.parametrize("shape", ["gauss", "block", "ties"])
-def test_large_torch_topk_selects_what_a_full_selection_selects(shape):
+def test_large_torch_topk_selects_what_a_full_selection_selects(shape, magnitude):
     """Above 64K elements the torch adapter selects among the elements that pass a sampled
-    threshold; the result is still the exact top k, and the user's RNG does not move."""
+    threshold; the result is still the exact top k (of |x| with ``magnitude``: x's signs
+    flipped at random then), and the user's RNG does not move."""
     torch = pytest.importorskip("torch")
     from plait.adapters.torch import OPS
 
@@ -147,12 +149,14 @@ def test_large_torch_topk_selects_what_a_full_selection_selects(shape):
         x[:5_000] += 1.0
     else:  # many equal magnitudes: any k of the largest are a valid answer
         x = torch.randint(0, 50, (n,), generator=gen).to(torch.float32)
+    if magnitude:
+        x = x * (torch.randint(0, 2, (n,), generator=gen) * 2 - 1)
     state = torch.get_rng_state()
-    values, idx = OPS.topk(x, k)
+    values, idx = OPS.topk(x, k, magnitude=magnitude)
     assert torch.equal(torch.get_rng_state(), state)
     assert idx.numel() == k and idx.unique().numel() == k and torch.equal(x[idx], values)
-    full = torch.topk(x, k).values
-    assert torch.equal(values.sort().values, full.sort().values)
+    key = x.abs() if magnitude else x
+    assert torch.equal(key[idx].sort().values, torch.topk(key, k).values.sort().values)
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)
@@ -263,13 +267,30 @@ def test_error_feedback_accumulates_exactly_what_was_dropped(fw, kind):
     for step in range(5):
         g = normal((6, 5), seed=100 + step, dtype="float64")
         total_in += g
-        c = memory.compensate(tensor(fw, g), "layer.w")
+        given = tensor(fw, g)
+        c = memory.compensate(given, "layer.w")
         payload, ctx = compressor.compress(c, "layer.w")
         memory.update(c, "layer.w", compressor, payload, ctx)
         total_sent += arr(compressor.decompress(payload, ctx))
+        np.testing.assert_array_equal(arr(given), g)  # only the memory's own tensors are written
     residual = arr(memory.residuals["layer.w"])
     np.testing.assert_allclose(total_sent + residual, total_in, rtol=0, atol=1e-12)
     assert np.abs(residual).max() > 0  # something was held back
+
+
+@pytest.mark.parametrize("kind", ["TopK", "QSGD"])
+def test_error_feedback_after_the_first_step_touches_no_new_memory(kind):
+    """torch: from the second step on, the compensated tensor is the residual's own memory,
+    and the new residual is stored in it (through the sparse residual or a decode)."""
+    torch = pytest.importorskip("torch")
+    compressor, memory = LOSSY[kind](), Residual()
+    where = []
+    for step in range(3):
+        c = memory.compensate(torch.from_numpy(normal((6, 5), seed=step)), "w")
+        payload, ctx = compressor.compress(c, "w")
+        memory.update(c, "w", compressor, payload, ctx)
+        where.append((c.data_ptr(), memory.residuals["w"].data_ptr()))
+    assert where[1][0] == where[0][1] and where[1] == where[2] and len(set(where[1])) == 1
 
 
 def test_residual_weights_and_reset():

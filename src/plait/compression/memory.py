@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+from plait.adapters import ops_for
 from plait.errors import invalid
 from plait.protocols import Tensor
 
@@ -89,14 +90,22 @@ class Residual:
         self.beta = float(beta)
         self.gamma = float(gamma)
         self.residuals: dict[str, Tensor] = {}
+        #: compensated tensors written into a residual's own memory, by name, until their update
+        self._mine: dict[str, Tensor] = {}
 
     def compensate(self, tensor: Tensor, name: str) -> Tensor:
-        """Return ``beta * residual[name] + gamma * tensor`` (just the scaled tensor the first time)."""
-        out = tensor if self.gamma == 1.0 else tensor * self.gamma
-        held = self.residuals.get(name)
+        """Return ``beta * residual[name] + gamma * tensor`` (just the scaled tensor the first time).
+
+        The sum is written into the residual's own memory where the framework allows it
+        (torch, numpy): the residual is then used up, and the following :meth:`update`
+        stores the new one in the same memory. No step touches new memory that way.
+        """
+        held = self.residuals.pop(name, None)
         if held is None:
-            return out
-        return out + (held if self.beta == 1.0 else held * self.beta)
+            return tensor if self.gamma == 1.0 else tensor * self.gamma
+        out = ops_for(held).add_into(held, tensor, self.beta, self.gamma)
+        self._mine[name] = out
+        return out
 
     def update(
         self, tensor: Tensor, name: str, compressor: Compressor, payload: Sequence[Tensor], ctx: Any
@@ -104,7 +113,7 @@ class Residual:
         """Store ``tensor - compressor.decompress(payload, ctx)`` for ``name``."""
         own = getattr(compressor, "residual", None)  # a cheaper way to the same difference
         if own is not None:
-            self.residuals[name] = own(tensor, payload, ctx)
+            self.residuals[name] = own(tensor, payload, ctx, inplace=self._mine.pop(name, None) is tensor)
         else:
             self.update_decoded(tensor, name, compressor.decompress(payload, ctx))
 
@@ -117,11 +126,15 @@ class Residual:
             name: its name.
             decoded: what the receivers decode.
         """
-        self.residuals[name] = tensor - decoded
+        if self._mine.pop(name, None) is tensor:  # our memory: write the difference into it
+            self.residuals[name] = ops_for(tensor).add_into(tensor, decoded, 1.0, -1.0)
+        else:
+            self.residuals[name] = tensor - decoded
 
     def reset(self) -> None:
         """Forget every residual (e.g. after loading a checkpoint)."""
         self.residuals.clear()
+        self._mine.clear()
 
     def __repr__(self) -> str:
         return f"Residual(beta={self.beta}, gamma={self.gamma})"

@@ -43,15 +43,17 @@ class _Positional(Compressor):
     """A payload of ``[values, positions]``: every rank's, concatenated, is scattered
     into one dense tensor (duplicate positions add up, in rank order)."""
 
-    def residual(self, tensor: Tensor, payload: Sequence[Tensor], ctx: Any) -> Tensor:
+    def residual(self, tensor: Tensor, payload: Sequence[Tensor], ctx: Any,
+                 inplace: bool = False) -> Tensor:
         """``tensor - decompress(payload, ctx)`` for this rank's own payload, whose values
         are ``tensor``'s own at distinct positions: ``tensor`` with those positions
-        zeroed (one pass instead of a dense decode and a subtraction). A subclass with
-        its own ``compress`` gets the plain difference."""
+        zeroed (one pass instead of a dense decode and a subtraction), written into
+        ``tensor`` with ``inplace`` where its framework allows. A subclass with its own
+        ``compress`` gets the plain difference."""
         if type(self).compress not in (TopK.compress, Threshold.compress):
             return tensor - self.decompress(payload, ctx)
         ops = ops_for(tensor)
-        return ops.reshape(ops.zero_at(tensor, ops.cast(payload[1], "int64")), ctx.shape)
+        return ops.reshape(ops.zero_at(tensor, ops.cast(payload[1], "int64"), inplace), ctx.shape)
 
     def decode_gathered(self, gathered: Sequence[Tensor], counts: Any, ctx: Any,
                         average: bool) -> Tensor:
@@ -89,8 +91,8 @@ class TopK(_Positional):
             PlaitTypeError: for a non-floating tensor.
         """
         ops, flat, ctx = prepare(tensor, name, self)
-        _, idx = ops.topk(ops.abs(flat), _count(ctx.numel, self.ratio))
-        return [ops.gather(flat, idx), ops.cast(idx, _index_dtype(ctx.numel))], ctx
+        values, idx = ops.topk(flat, _count(ctx.numel, self.ratio), magnitude=True)
+        return [values, ops.cast(idx, _index_dtype(ctx.numel))], ctx
 
     def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
         """Scatter the values to their positions in a zero tensor."""
