@@ -7,10 +7,12 @@ that fails to initialise) is reported instead of taking this command down.
 from __future__ import annotations
 
 import json
+import os
 import platform
 import subprocess
 import sys
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 from . import __version__
 
@@ -37,21 +39,26 @@ _PROBES = {
 }
 
 
+def _probe(code: str, timeout: float) -> str:
+    """The last line one probe prints, or ``not available (reason)``."""
+    try:
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return f"not available (no answer in {timeout:g}s)"
+    if proc.returncode == 0 and proc.stdout.strip():
+        return proc.stdout.strip().splitlines()[-1]
+    last = (proc.stderr.strip().splitlines() or ["failed"])[-1]
+    return f"not available ({last})"
+
+
 def collect(timeout: float = 120.0) -> dict[str, str]:
-    """Probe every component; a failure is reported as ``not available (reason)``."""
+    """Probe every component, a few at a time (each probe is a process that imports a
+    framework: seconds each); a failure is reported as ``not available (reason)``."""
     out = {"plait": __version__, "python": platform.python_version()}
-    for name, code in _PROBES.items():
-        try:
-            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                                  timeout=timeout)
-        except subprocess.TimeoutExpired:
-            out[name] = f"not available (no answer in {timeout:g}s)"
-            continue
-        if proc.returncode == 0 and proc.stdout.strip():
-            out[name] = proc.stdout.strip().splitlines()[-1]
-        else:
-            last = (proc.stderr.strip().splitlines() or ["failed"])[-1]
-            out[name] = f"not available ({last})"
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
+        found = {name: pool.submit(_probe, code, timeout) for name, code in _PROBES.items()}
+        out.update({name: future.result() for name, future in found.items()})
     return out
 
 
