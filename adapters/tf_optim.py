@@ -21,7 +21,7 @@ from .tensorflow import OPS, unwrap
 
 __all__ = [
     "DistributedGradientTape", "broadcast_variables", "distributed_keras_optimizer",
-    "reduce_gradients",
+    "local_layer_variables", "reduce_gradients",
 ]
 
 
@@ -95,6 +95,11 @@ def dense_gradient(grad: Any, value: Any) -> Any:
 class DistributedGradientTape:
     """Wraps a ``tf.GradientTape`` so that ``gradient()`` returns averaged gradients.
 
+    Sources registered with :meth:`register_local_source` (Horovod's worker-local
+    variables, e.g. by ``PartialDistributedGradientTape``) keep their local gradient,
+    divided by the number of ranks when ``scale_local_gradients`` is True (Horovod's
+    default, so that it matches the averaged ones' scale).
+
     Args:
         tape: the tape that recorded the forward pass.
         comm: the data-parallel communicator.
@@ -103,6 +108,7 @@ class DistributedGradientTape:
         memory: its error-feedback memory, or None.
         bucket_mb: fusion bucket size in MiB.
         gradient_predivide_factor: divide before the reduction, multiply after.
+        scale_local_gradients: divide local sources' gradients by the number of ranks.
 
     Raises:
         ConfigError: when ``tape`` is not a ``tf.GradientTape`` or the factor is not > 0.
@@ -111,13 +117,16 @@ class DistributedGradientTape:
     def __init__(self, tape: tf.GradientTape, comm: Communicator, *, op: str = "average",
                  compression: Any = None, memory: Any = None,
                  bucket_mb: float = DEFAULT_BUCKET_MB,
-                 gradient_predivide_factor: float = 1.0) -> None:
+                 gradient_predivide_factor: float = 1.0,
+                 scale_local_gradients: bool = True) -> None:
         if not isinstance(tape, tf.GradientTape):
             raise invalid("gradtape", type(tape).__name__, "a tf.GradientTape")
         _check_predivide(gradient_predivide_factor)
         self._tape, self._comm = tape, comm
         self._kw = {"op": op, "compression": compression, "memory": memory, "bucket_mb": bucket_mb,
                     "gradient_predivide_factor": gradient_predivide_factor}
+        self._scale_local = bool(scale_local_gradients)
+        self._local: set[Any] = set()
 
     def __enter__(self) -> DistributedGradientTape:
         self._tape.__enter__()
@@ -129,12 +138,97 @@ class DistributedGradientTape:
     def __getattr__(self, name: str) -> Any:
         return getattr(self._tape, name)
 
+    def register_local_source(self, source: Any) -> None:
+        """Keep ``source``'s gradient local (not reduced across ranks), as Horovod's
+        ``register_local_source``.
+
+        Args:
+            source: a ``tf.Variable`` or Keras 3 variable.
+        """
+        self._local.add(_key(source))
+
     def gradient(self, target: Any, sources: Any, output_gradients: Any = None, **kw: Any) -> Any:
-        """Gradients of ``target`` w.r.t. ``sources``, averaged over ranks."""
+        """Gradients of ``target`` w.r.t. ``sources``, averaged over ranks (local sources:
+        this rank's own, scaled as the tape was told).
+
+        ``use_generic_names`` (Horovod's keyword) is accepted and has no effect.
+        """
+        kw.pop("use_generic_names", None)
         flat = tf.nest.flatten(sources)
-        grads = self._tape.gradient(target, [unwrap(s) for s in flat], output_gradients, **kw)
-        reduced = reduce_gradients(grads, flat, self._comm, **self._kw)
-        return tf.nest.pack_sequence_as(sources, reduced)
+        grads = list(self._tape.gradient(target, [unwrap(s) for s in flat], output_gradients,
+                                         **kw))
+        shared = [i for i, s in enumerate(flat) if _key(s) not in self._local]
+        reduced = reduce_gradients([grads[i] for i in shared], [flat[i] for i in shared],
+                                   self._comm, **self._kw)
+        out = [_scaled_local(g, self._comm.size if self._scale_local else 1) for g in grads]
+        for i, g in zip(shared, reduced):
+            out[i] = g
+        return tf.nest.pack_sequence_as(sources, out)
+
+    def get_local_and_global_gradients(self, target: Any, sources: Any,
+                                       output_gradients: Any = None,
+                                       use_generic_names: bool = False
+                                       ) -> tuple[list[Any], list[Any]]:
+        """Horovod's split of :meth:`gradient`: ``(local, global)`` lists of
+        ``(source, gradient)`` pairs, each in the order of ``sources``.
+
+        Args:
+            target: the value to differentiate.
+            sources: the variables (a flat list).
+            output_gradients: upstream gradients of ``target``, or None.
+            use_generic_names: no effect.
+
+        Returns:
+            The pairs of the registered local sources, and those of the others.
+        """
+        flat = tf.nest.flatten(sources)
+        grads = tf.nest.flatten(self.gradient(target, flat, output_gradients))
+        local = [(s, g) for s, g in zip(flat, grads) if _key(s) in self._local]
+        return local, [(s, g) for s, g in zip(flat, grads) if _key(s) not in self._local]
+
+
+def local_layer_variables(local_layers: Any) -> list[Any]:
+    """The trainable variables of ``PartialDistributedGradientTape``'s ``local_layers``.
+
+    Args:
+        local_layers: None, a Keras layer, or an iterable of Keras layers.
+
+    Returns:
+        Their trainable weights, layer by layer.
+
+    Raises:
+        ConfigError: when ``local_layers`` (or one of its items) is not a Keras layer.
+    """
+    import keras
+
+    if local_layers is None:
+        return []
+    layers = [local_layers] if isinstance(local_layers, keras.layers.Layer) else local_layers
+    try:
+        layers = list(layers)
+    except TypeError:
+        raise invalid("local_layers", local_layers, "a keras.layers.Layer or a list of them, "
+                      "or None") from None
+    for layer in layers:
+        if not isinstance(layer, keras.layers.Layer):
+            raise invalid("local_layers", local_layers, "keras.layers.Layer items only (got a "
+                          f"{type(layer).__name__})")
+    return [v for layer in layers for v in layer.trainable_weights]
+
+
+def _key(source: Any) -> Any:
+    """A hashable identity of a variable, the same for a Keras 3 variable and its value."""
+    value = unwrap(source)
+    return value.ref() if hasattr(value, "ref") else id(value)
+
+
+def _scaled_local(grad: Any, size: int) -> Any:
+    """A local gradient divided by ``size`` (None and ``size`` 1: unchanged)."""
+    if grad is None or size == 1:
+        return grad
+    if isinstance(grad, tf.IndexedSlices):
+        return tf.IndexedSlices(grad.values / size, grad.indices, grad.dense_shape)
+    return grad / size
 
 
 def broadcast_variables(variables: Sequence[Any], comm: Communicator, root: int = 0) -> None:

@@ -9,7 +9,8 @@ from __future__ import annotations
 from typing import Any
 
 from plait.adapters import keras_callbacks as _cb
-from plait.adapters import tf_optim
+from plait.adapters import keras_load, tf_optim
+from plait.adapters.keras_syncbn import SyncBatchNormalization
 
 from ._face import (
     Adasum,
@@ -27,12 +28,21 @@ from ._face_compression import Compression, Compressor
 from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
 from .errors import HorovodInternalError, invalid
 from .parallel.data import DEFAULT_BUCKET_MB
-from .tensorflow import allgather, allreduce, broadcast, broadcast_variables, reducescatter
+from .tensorflow import (
+    _executing_eagerly,
+    allgather,
+    allreduce,
+    broadcast,
+    broadcast_variables,
+    reducescatter,
+)
+from .tensorflow import broadcast_global_variables as _global_variables_op
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer",
-    "HorovodInternalError", "Max", "Min", "Product", "ProcessSet", "Sum", "add_process_set",
-    "allgather", "allreduce", "backend", "broadcast", "broadcast_variables", "callbacks",
+    "HorovodInternalError", "Max", "Min", "Product", "ProcessSet", "Sum", "SyncBatchNormalization",
+    "add_process_set", "allgather", "allreduce", "backend", "broadcast",
+    "broadcast_global_variables", "broadcast_variables", "callbacks", "load_model",
     "cross_rank", "cross_size", "reducescatter",
     "ccl_built", "cuda_built", "ddl_built", "global_process_set", "gloo_built", "gloo_enabled",
     "init", "is_homogeneous", "is_initialized", "join", "local_rank", "local_size", "mpi_built",
@@ -105,6 +115,57 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         memory=memory, backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients,
         gradient_predivide_factor=gradient_predivide_factor)
+
+
+def load_model(filepath: Any, custom_optimizers: Any = None, custom_objects: Any = None,
+               compression: Any = Compression.none, legacy_opts: bool = False) -> Any:
+    """Horovod's ``load_model``: a saved Keras 3 model (``.keras`` file) whose optimizer
+    is replaced by a :func:`DistributedOptimizer` of the same config and state, so
+    training resumes data-parallel. Models with :class:`SyncBatchNormalization` load
+    without ``custom_objects``.
+
+    Args:
+        filepath: the saved model (anything ``keras.models.load_model`` takes).
+        custom_optimizers: optimizer classes of the file that are not Keras' own.
+        custom_objects: other classes or functions of the file, by name.
+        compression: the distributed optimizer's compression.
+        legacy_opts: Horovod's switch to Keras 2 legacy optimizers: only False.
+
+    Returns:
+        The model (as loaded when it was saved without an optimizer).
+
+    Raises:
+        ConfigError: for ``legacy_opts=True`` (Keras 3 has no legacy optimizers), bad
+            ``custom_optimizers``/``custom_objects``, or a saved optimizer state that
+            does not fit.
+    """
+    if legacy_opts:
+        raise invalid("legacy_opts", legacy_opts, "False (Keras 3 has no legacy optimizers)")
+    return keras_load.load_model(
+        filepath, lambda opt: DistributedOptimizer(opt, compression=compression),
+        custom_optimizers, custom_objects)
+
+
+def broadcast_global_variables(root_rank: int) -> Any:
+    """Horovod's Keras ``broadcast_global_variables``: in a TF1 graph, assign
+    ``root_rank``'s values to every global variable, run in the default session.
+
+    Returns:
+        The session's result of the broadcast op (None).
+
+    Raises:
+        RuntimeError: when executing eagerly (as Horovod) or without a default session
+            (Keras 3 has no ``backend.get_session()``: open one with ``with sess.as_default()``
+            or use the op of :func:`plait.tensorflow.broadcast_global_variables`).
+    """
+    session = keras_load.default_session()
+    if session is None:  # checked before the op is built: no collective is left unrun
+        if _executing_eagerly():
+            _global_variables_op(root_rank)  # raises Horovod's error
+        raise RuntimeError("hvd.broadcast_global_variables() needs a default tf.compat.v1.Session "
+                           "(Keras 3 has no backend session): run it inside `with sess.as_default():`"
+                           " or run plait.tensorflow.broadcast_global_variables(root_rank) yourself")
+    return session.run(_global_variables_op(root_rank))
 
 
 class callbacks:  # noqa: N801 - Horovod's module name, hvd.callbacks.X

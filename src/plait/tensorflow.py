@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from plait.adapters import tf_optim
+from plait.adapters.keras_syncbn import SyncBatchNormalization
 
 from ._face import (
     Adasum,
@@ -41,7 +42,8 @@ from .parallel.data import DEFAULT_BUCKET_MB
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedGradientTape",
-    "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "ProcessSet", "Product", "Sum",
+    "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "PartialDistributedGradientTape",
+    "ProcessSet", "Product", "Sum", "SyncBatchNormalization",
     "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall", "backend",
     "barrier", "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_object",
     "broadcast_variables", "ccl_built",
@@ -284,8 +286,8 @@ def broadcast_global_variables(root_rank: int) -> Any:
     if _executing_eagerly():
         raise RuntimeError("hvd.broadcast_global_variables() does not support eager execution; "
                            "use hvd.broadcast_variables(<model/optimizer variables>, root_rank)")
-    return tf.group(*[v.assign(broadcast(v, root_rank, name=f"global.{v.name}"))
-                      for v in tf.compat.v1.global_variables()])
+    return tf.group(*[v.assign(broadcast(v, root_rank, name="global." + v.name.replace(":", ".")))
+                      for v in tf.compat.v1.global_variables()])  # ":" is no op name
 
 
 def DistributedGradientTape(  # noqa: N802 - Horovod's name
@@ -300,8 +302,9 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's name
 
     The signature is Horovod 0.28's (no gradient accumulation, as there), plus plait's
     keyword-only ``bucket_mb`` and ``memory``. Gradients are always reduced dense; the
-    device arguments and ``scale_local_gradients`` have no effect; ``groups`` is
-    validated but fusion follows ``bucket_mb``.
+    device arguments have no effect; ``groups`` is validated but fusion follows
+    ``bucket_mb``. As Horovod's, the tape has ``register_local_source(variable)`` (that
+    gradient stays local) and ``get_local_and_global_gradients``.
 
     Args:
         gradtape: the ``tf.GradientTape`` that recorded the forward pass.
@@ -314,7 +317,8 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's name
         num_groups: deprecated form of ``groups``.
         groups: Horovod's explicit allreduce groups (validated only).
         process_set: data-parallel sub-communicator (default: all ranks).
-        scale_local_gradients: no effect.
+        scale_local_gradients: divide the gradients of local sources by the number of
+            ranks (Horovod's default).
         bucket_mb: fusion bucket size in MiB (0: one gradient per allreduce).
         memory: error-feedback memory for ``compression`` (e.g. ``Residual()``).
 
@@ -329,7 +333,55 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's name
     compressor, memory = gradient_compression(compression, memory)
     return tf_optim.DistributedGradientTape(
         gradtape, _F.comm(process_set), op=op, compression=compressor, memory=memory,
-        bucket_mb=bucket_mb, gradient_predivide_factor=gradient_predivide_factor)
+        bucket_mb=bucket_mb, gradient_predivide_factor=gradient_predivide_factor,
+        scale_local_gradients=scale_local_gradients)
+
+
+def PartialDistributedGradientTape(  # noqa: N802 - Horovod's name
+    gradtape: Any, device_dense: str = "", device_sparse: str = "",
+    compression: Any = Compression.none, sparse_as_dense: bool = False, op: str = Average,
+    gradient_predivide_factor: float = 1.0, num_groups: int = 0, groups: Any = None,
+    process_set: Any = None, local_layers: Any = None, scale_local_gradients: bool = True, *,
+    bucket_mb: float = DEFAULT_BUCKET_MB, memory: Any = None,
+) -> tf_optim.DistributedGradientTape:
+    """Horovod's ``PartialDistributedGradientTape``: a :func:`DistributedGradientTape`
+    whose gradients of the trainable variables of ``local_layers`` are not reduced:
+    each rank keeps its own (divided by the number of ranks with
+    ``scale_local_gradients``, Horovod's default).
+
+    Args:
+        gradtape: the ``tf.GradientTape`` that recorded the forward pass.
+        device_dense: no effect.
+        device_sparse: no effect.
+        compression: as :func:`DistributedGradientTape`.
+        sparse_as_dense: no effect (always dense).
+        op: Average (default), Sum or Adasum (Horovod backend).
+        gradient_predivide_factor: divide before the sum, multiply after.
+        num_groups: deprecated form of ``groups``.
+        groups: Horovod's explicit allreduce groups (validated only).
+        process_set: data-parallel sub-communicator (default: all ranks).
+        local_layers: a Keras layer or a list of them whose gradients stay local; None
+            (the default) makes this a plain :func:`DistributedGradientTape`.
+        scale_local_gradients: divide the local gradients by the number of ranks.
+        bucket_mb: fusion bucket size in MiB.
+        memory: error-feedback memory for ``compression``.
+
+    Returns:
+        The distributed tape, with the local layers' variables registered as local
+        sources.
+
+    Raises:
+        ConfigError: for ``local_layers`` that are not Keras layers, or as
+            :func:`DistributedGradientTape`.
+    """
+    local = tf_optim.local_layer_variables(local_layers)
+    tape = DistributedGradientTape(
+        gradtape, device_dense, device_sparse, compression, sparse_as_dense, op,
+        gradient_predivide_factor, num_groups, groups, process_set, scale_local_gradients,
+        bucket_mb=bucket_mb, memory=memory)
+    for variable in local:
+        tape.register_local_source(variable)
+    return tape
 
 
 def DistributedOptimizer(  # noqa: N802 - Horovod's name

@@ -753,16 +753,14 @@ def test_tf_face_errors_util_and_global_variables_as_horovod():
             assert sess.run(v) == 1.0
 
 
-# names of Horovod 0.28's modules that plait leaves out: submodules and internals, and (in
-# README) SyncBatchNormalization, PartialDistributedGradientTape, load_model
+# names of Horovod 0.28's modules that plait leaves out: submodules and internals
 _NOT_FACES = {
     "check_extension", "compression", "functions",
     "mpi_lib_v2", "mpi_ops", "optimizer", "sync_batch_norm", "LocalGradientAggregationHelper",
-    "PartialDistributedGradientTape", "SyncBatchNormalization", "broadcast_global_variables",
     "broadcast_object_fn", "check_num_rank_power_of_2", "gpu_available", "gradient_aggregation",
     "handle_average_backwards_compatibility", "os", "refs_to_vars", "split_list", "tf", "util",
     "vars_to_refs", "version", "warnings", "K", "inspect", "is_version_greater_equal_than",
-    "keras", "load_model",
+    "keras",
 }
 
 
