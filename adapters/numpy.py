@@ -26,6 +26,15 @@ def f32_to_bf16(x: np.ndarray) -> np.ndarray:
     return out
 
 
+#: Elements per chunk of :meth:`NumpyOps.random_round` (its temporaries stay this small).
+ROUND_CHUNK = 1 << 18
+
+
+def _chunk_seed(seed: int, index: int) -> int:
+    """The seed of chunk ``index``'s draws in a random rounding seeded ``seed``."""
+    return (int(seed) * 1_000_003 + index * 0x9E3779B9) % (1 << 63)
+
+
 _NAMES: dict[np.dtype, str] = {}  # numpy's dtype.name is slow; collectives ask every call
 
 
@@ -131,6 +140,20 @@ class NumpyOps:
 
     def uniform(self, shape: Sequence[int], seed: int, like: Any) -> np.ndarray:
         return np.random.default_rng(seed).random(tuple(shape), dtype=np.float32)
+
+    def random_round(self, x: Any, scale: Any, seed: int, code: str) -> np.ndarray:
+        flat = np.asarray(x).reshape(-1)
+        s = flat.dtype.type(np.asarray(scale).reshape(-1)[0])
+        out = np.empty(flat.size, dtype=code)
+        work = np.empty(min(flat.size, ROUND_CHUNK), dtype=flat.dtype)
+        for i, start in enumerate(range(0, flat.size, ROUND_CHUNK)):
+            part = flat[start:start + ROUND_CHUNK]
+            t = work[:part.size]
+            np.multiply(np.abs(part, out=t), s, out=t)
+            t += self.uniform((part.size,), _chunk_seed(seed, i), part)  # the chunk's own draws
+            np.copysign(np.floor(t, out=t), part, out=t)
+            out[start:start + part.size] = t
+        return out
 
     def floor(self, x: Any) -> np.ndarray:
         return np.floor(x)

@@ -190,6 +190,12 @@ class TFOps:
         pair = tf.constant([int(seed) & 0x7FFFFFFF, (int(seed) >> 31) & 0x7FFFFFFF], dtype=tf.int64)
         return tf.random.stateless_uniform(tuple(shape), seed=pair, dtype=tf.float32)
 
+    def random_round(self, x: Any, scale: Any, seed: int, code: str) -> tf.Tensor:
+        flat = tf.reshape(unwrap(x), [-1])
+        u = tf.cast(self.uniform(self.shape(flat), seed, flat), flat.dtype)
+        s = tf.cast(tf.reshape(unwrap(scale), []), flat.dtype)
+        return tf.cast(tf.floor(tf.abs(flat) * s + u) * tf.sign(flat), _FROM_NAME[code])
+
     def floor(self, x: Any) -> tf.Tensor:
         return tf.floor(unwrap(x))
 

@@ -16,6 +16,7 @@ import torch
 from plait.errors import PlaitTypeError
 
 from .numpy import BYTE_BITS
+from .numpy import OPS as _NUMPY
 
 __all__ = ["OPS", "TorchOps", "collective_function", "grouped_collective_function"]
 
@@ -229,6 +230,15 @@ class TorchOps:
         gen = torch.Generator(device=like.device)
         gen.manual_seed(int(seed))
         return torch.rand(tuple(shape), generator=gen, device=like.device, dtype=torch.float32)
+
+    def random_round(self, x: torch.Tensor, scale: Any, seed: int, code: str) -> torch.Tensor:
+        flat = x.reshape(-1)
+        host = flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64)
+        if host and not flat.requires_grad:
+            s = scale.reshape(-1)[0].item() if isinstance(scale, torch.Tensor) else scale
+            return torch.from_numpy(_NUMPY.random_round(flat.numpy(), s, seed, code))
+        u = self.uniform(self.shape(flat), seed, flat).to(flat.dtype)
+        return (torch.floor(flat.abs() * scale + u) * flat.sign()).to(_FROM_NAME[code])
 
     def floor(self, x: torch.Tensor) -> torch.Tensor:
         return torch.floor(x)

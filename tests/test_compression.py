@@ -487,3 +487,22 @@ def test_sparse_residual_is_the_dropped_part_also_for_a_subclass(fw):
         got = arr(c.residual(tensor(fw, x), payload, ctx))
         assert got.shape == x.shape
         np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("path", ["host", "autograd"])
+def test_torch_random_round_codes_are_a_neighbouring_level(path):
+    """torch's random rounding (chunked through numpy on the host; in torch for tensors that
+    need autograd or live off the host): every code is sign(x) * floor(|x| s) or one more,
+    and over many elements the codes average |x| s."""
+    torch = pytest.importorskip("torch")
+    from plait.adapters.torch import OPS
+
+    x = torch.from_numpy(normal((3, 200_000), seed=4)).requires_grad_(path == "autograd")
+    codes = OPS.random_round(x, torch.tensor(2.5), seed=11, code="int8").to(torch.float64)
+    flat = x.detach().reshape(-1).double()
+    low = torch.floor(flat.abs() * 2.5) * flat.sign()
+    up = codes - low
+    assert codes.shape == (600_000,) and set(up.abs().unique().tolist()) <= {0.0, 1.0}
+    assert bool(((up == 0) | (up.sign() == flat.sign())).all())
+    mean = (codes.abs() - flat.abs() * 2.5).mean().item()
+    assert abs(mean) < 5e-3, mean

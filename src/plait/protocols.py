@@ -137,6 +137,13 @@ class TensorOps(Protocol):
         """float32 values uniform in [0, 1): a fixed function of ``seed``, on ``like``'s device."""
         ...
 
+    def random_round(self, x: Tensor, scale: Any, seed: int, code: str) -> Tensor:
+        """Stochastic quantisation codes of flat ``x`` as ``code`` integers:
+        ``sign(x) * floor(|x| * scale + u)``, ``u`` uniform in [0, 1) and a fixed function
+        of ``seed`` (``scale``: a number or 1-element tensor; computed in ``x``'s dtype).
+        On the host it runs in chunks, so no full-size temporary is touched."""
+        ...
+
     def floor(self, x: Tensor) -> Tensor: ...
     def sum(self, x: Tensor) -> Tensor:
         """Sum of all elements, as a 0-d tensor."""

@@ -14,7 +14,7 @@ from typing import Any
 
 from plait.adapters import ops_for
 from plait.errors import invalid
-from plait.protocols import Tensor, TensorOps
+from plait.protocols import Tensor
 
 from .base import Compressor, SeedStream, compute_dtype, prepare, restore
 
@@ -24,15 +24,11 @@ __all__ = ["QSGD", "TernGrad"]
 _TINY = 1e-30
 
 
-#: QSGD and TernGrad scale by a norm (a maximum) this much too large: ``floor(x + u)``
-#: then never rounds past the top level, and the decode, by the same norm, stays unbiased.
+#: QSGD and TernGrad scale by a norm (a maximum) this much too large: the random rounding
+#: ``floor(x + u)`` (``u`` uniform in [0, 1), up with probability ``x - floor(x)``, see
+#: ``TensorOps.random_round``) then never rounds past the top level, and the decode, by
+#: the same norm, stays unbiased.
 _WIDEN = 1 + 1e-6
-
-
-def _round(ops: TensorOps, x: Tensor, seed: int, like: Tensor, dtype: str) -> Tensor:
-    """``x`` (>= 0) rounded down or up at random, up with probability ``x - floor(x)``:
-    ``floor(x + u)``, ``u`` uniform in [0, 1), so ``E[result] = x``; in ``dtype``."""
-    return ops.floor(x + ops.cast(ops.uniform(ops.shape(like), seed, like), dtype))
 
 
 class QSGD(Compressor):
@@ -71,10 +67,9 @@ class QSGD(Compressor):
             PlaitTypeError: for a non-floating tensor.
         """
         ops, flat, ctx = prepare(tensor, name, self)
-        dtype = compute_dtype(ctx.dtype)
         norm = ops.clamp_min(ops.norm(flat), _TINY) * _WIDEN
-        q = _round(ops, ops.abs(flat) * (self.levels / norm), self._seeds.next(name), flat, dtype)
-        return [ops.reshape(norm, [1]), ops.cast(q * ops.sign(flat), self._code)], ctx
+        codes = ops.random_round(flat, self.levels / norm, self._seeds.next(name), self._code)
+        return [ops.reshape(norm, [1]), codes], ctx
 
     def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
         """``norm / levels * codes``, in the original dtype and shape."""
@@ -118,8 +113,8 @@ class TernGrad(Compressor):
         mag = ops.abs(flat)
         top = ops.amax(mag) if ctx.numel else ops.zeros([], dtype, flat)
         scale = ops.clamp_min(top, _TINY) * _WIDEN  # as in QSGD: every code stays in {-1, 0, 1}
-        keep = _round(ops, mag * (1 / scale), self._seeds.next(name), flat, dtype)
-        return [ops.reshape(scale, [1]), ops.cast(keep * ops.sign(flat), "int8")], ctx
+        codes = ops.random_round(flat, 1 / scale, self._seeds.next(name), "int8")
+        return [ops.reshape(scale, [1]), codes], ctx
 
     def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
         """``scale * codes``, in the original dtype and shape."""
