@@ -442,3 +442,27 @@ def test_keras_checkpoint_with_op_determinism_on(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", KERAS_DETERMINISM, str(tmp_path)], capture_output=True,
                           text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0 and "ok" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("fw", ["numpy", "torch"])
+def test_a_residual_memorys_state_is_a_snapshot_that_later_steps_leave_alone(fw: str) -> None:
+    """Error feedback updates its residuals in place from the second step on: a state taken
+    in between (a checkpoint, an elastic commit) keeps the values it had."""
+    from plait.checkpoint.state import as_stateful
+    from plait.compression import Residual, TopK
+
+    torch = pytest.importorskip("torch") if fw == "torch" else None
+
+    def tensor(seed: int) -> object:
+        a = np.random.default_rng(seed).normal(size=(8, 8)).astype(np.float32)
+        return a if torch is None else torch.from_numpy(a)
+
+    memory, compressor = Residual(), TopK(0.25)
+    for step in range(3):
+        c = memory.compensate(tensor(step), "w")
+        memory.update(c, "w", compressor, *compressor.compress(c, "w"))
+        if step == 1:
+            state = as_stateful(memory).state_dict()
+            kept = np.array(state["residuals"]["w"])
+    assert np.array_equal(np.asarray(state["residuals"]["w"]), kept)
+    assert not np.array_equal(np.asarray(memory.residuals["w"]), kept)

@@ -16,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from plait.errors import PlaitTypeError
 
 __all__ = ["ResidualState", "Stateful", "as_stateful", "is_per_rank"]
@@ -48,13 +50,22 @@ class ResidualState:
         self.memory = memory
 
     def state_dict(self) -> dict[str, Any]:
-        """The residuals, keyed by tensor name."""
-        return {"residuals": dict(self.memory.residuals)}
+        """Copies of the residuals, keyed by tensor name (the memory updates its tensors
+        in place, so a kept state must not share them)."""
+        return {"residuals": {k: _snapshot(v) for k, v in self.memory.residuals.items()}}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Replace the memory's residuals."""
         self.memory.residuals.clear()
         self.memory.residuals.update(state["residuals"])
+
+
+def _snapshot(tensor: Any) -> Any:
+    """A copy of a mutable tensor (torch, numpy); TensorFlow's tensors are immutable."""
+    if isinstance(tensor, np.ndarray):
+        return tensor.copy()
+    clone = getattr(tensor, "clone", None)
+    return clone() if callable(clone) else tensor
 
 
 def is_per_rank(obj: Any) -> bool:

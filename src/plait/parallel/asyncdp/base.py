@@ -20,7 +20,8 @@ __all__ = ["AsyncAlgorithm", "load_memory", "memory_state", "require_point_to_po
 def memory_state(memory: Any) -> dict[str, Any] | None:
     """An error-feedback memory's residuals (name -> numpy array), or None without one."""
     residuals = getattr(memory, "residuals", None)
-    return None if not isinstance(residuals, dict) else {k: np.asarray(v) for k, v in residuals.items()}
+    # copies: the memory updates its tensors in place
+    return None if not isinstance(residuals, dict) else {k: np.array(v) for k, v in residuals.items()}
 
 
 def load_memory(memory: Any, saved: Mapping[str, Any] | None, own: bool) -> None:
