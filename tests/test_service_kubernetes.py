@@ -160,7 +160,10 @@ class FakeAPI(ThreadingHTTPServer):
     """A stand-in for the Kubernetes API server: records every request and answers with plausible JSON.
 
     ``pods``: the items of every PodList it returns; ``logs``: pod name -> log text; ``fail``: (method,
-    path) -> (HTTP status, reason) answered with a ``Status`` instead.
+    path) -> (HTTP status, reason) answered with a ``Status`` instead; ``nodes``: the items of the
+    NodeList; ``resources``: ``GROUP/VERSION`` -> the plurals its discovery document lists (others: 404);
+    ``objects``: path -> custom object (kept from its POST, dropped by its DELETE; a test sets its
+    ``status``); ``follow``: pod name -> log chunks sent one by one to a ``follow=true`` log request.
     """
 
     daemon_threads = True
@@ -171,6 +174,10 @@ class FakeAPI(ThreadingHTTPServer):
         self.pods: list[dict[str, Any]] = []
         self.logs: dict[str, str] = {}
         self.fail: dict[tuple[str, str], tuple[int, str]] = {}
+        self.nodes: list[dict[str, Any]] = []
+        self.resources: dict[str, list[str]] = {}
+        self.objects: dict[str, dict[str, Any]] = {}
+        self.follow: dict[str, list[str]] = {}
         self.lock = threading.Lock()
 
     @property
@@ -221,7 +228,18 @@ class _Handler(BaseHTTPRequestHandler):
             body = dict(record["body"])
             body["metadata"] = {**body["metadata"], "uid": f"uid-{len(self.server.requests)}",
                                 "resourceVersion": "1", "creationTimestamp": "2026-01-01T00:00:00Z"}
+            if url.path.startswith("/apis/kubeflow.org/"):
+                with self.server.lock:
+                    self.server.objects[f"{url.path}/{body['metadata']['name']}"] = body
             self._send(201, body)
+        elif url.path in self.server.objects and self.command == "GET":
+            with self.server.lock:
+                self._send(200, self.server.objects[url.path])
+        elif self.command == "DELETE" and url.path.startswith("/apis/kubeflow.org/"):
+            with self.server.lock:
+                self.server.objects.pop(url.path, None)
+            self._send(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
+                             "details": {"name": name}})
         elif self.command == "DELETE" and "/services/" in url.path:  # the Service, being deleted
             self._send(200, {"kind": "Service", "apiVersion": "v1", "metadata": {
                 "name": name, "deletionTimestamp": "2026-01-01T00:00:01Z"}, "spec": {"clusterIP": "None"}})
@@ -233,6 +251,21 @@ class _Handler(BaseHTTPRequestHandler):
             items = [p for p in pods if p["metadata"]["labels"].get(key) == value]
             self._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "7"},
                              "items": items})
+        elif self.command == "GET" and url.path == "/api/v1/nodes":
+            self._send(200, {"kind": "NodeList", "apiVersion": "v1", "metadata": {},
+                             "items": self.server.nodes})
+        elif self.command == "GET" and url.path.startswith("/apis/") and url.path.count("/") == 3:
+            group_version = url.path[len("/apis/"):]
+            if group_version not in self.server.resources:
+                self._send(404, _status(404, "NotFound", "the server could not find the requested resource"))
+            else:
+                resources = [{"name": plural, "singularName": plural[:-1], "namespaced": True, "kind": plural,
+                              "verbs": ["create", "delete", "get", "list"]}
+                             for plural in self.server.resources[group_version]]
+                self._send(200, {"kind": "APIResourceList", "apiVersion": "v1", "groupVersion": group_version,
+                                 "resources": resources})
+        elif url.path.endswith("/log") and record["query"].get("follow") == ["true"]:
+            self._stream(self.server.follow.get(url.path.split("/")[-2], []))
         elif self.command == "GET" and url.path.endswith("/log"):
             pod = url.path.split("/")[-2]
             if pod in logs:
@@ -242,12 +275,29 @@ class _Handler(BaseHTTPRequestHandler):
         else:
             self._send(404, _status(404, "NotFound", f"{url.path} not found"))
 
+    def _stream(self, chunks: list[str]) -> None:
+        """A followed log: no length, the chunks written one at a time with a pause, then the end (HTTP/1.0:
+        the connection closes)."""
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain")
+        self.end_headers()
+        for chunk in chunks:
+            self.wfile.write(chunk.encode())
+            self.wfile.flush()
+            time.sleep(0.05)
+        self.close_connection = True
+
     do_GET = do_POST = do_DELETE = _handle  # noqa: N815
 
 
 @pytest.fixture
 def api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeAPI, str]]:
     """The fake API server and a kubeconfig for it (context ``fake``; the current context is broken)."""
+    yield from fake_api(tmp_path, monkeypatch)
+
+
+def fake_api(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[FakeAPI, str]]:
+    """The body of the ``api`` fixture (other test files make their fixture of it)."""
     pytest.importorskip("kubernetes")
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     server = FakeAPI()

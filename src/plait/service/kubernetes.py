@@ -11,8 +11,16 @@ is reachable as ``JOB-i.SERVICE``, a stable DNS name, so ``MASTER_ADDR`` is
 processes per worker it starts one process per rank in the pod. ``horovod`` and
 ``mpi`` jobs are a Kubeflow ``MPIJob`` (``kubeflow.org/v2beta1``; the MPI
 operator must be installed): a launcher pod runs ``mpirun`` (the argv built by
-:func:`plait.launch.command.mpirun_argv`) over the worker pods. Every object is
-labelled ``plait.dev/job=JOB_ID``.
+:func:`plait.launch.command.mpirun_argv`) over the worker pods. With
+``operator="kubeflow"`` a ``torch`` or ``tensorflow`` job of several workers and one
+process per worker is a Kubeflow ``PyTorchJob`` or ``TFJob`` instead
+(:mod:`plait.service.kubeflow`; the training operator sets the group variables), its
+state read from the object's ``status.conditions``. Every object is labelled
+``plait.dev/job=JOB_ID``.
+
+The capacity is the configured slot count, or, without one, what the cluster's
+nodes can hold (:mod:`plait.service.kubecapacity`, from ``list_node``; re-read at most
+every ``capacity_refresh_s`` seconds).
 
 :func:`render` is pure (standard library only). :class:`KubernetesBackend` creates
 the objects (``create_namespaced_service``, ``create_namespaced_job``,
@@ -20,13 +28,14 @@ the objects (``create_namespaced_service``, ``create_namespaced_job``,
 (``list_namespaced_pod`` with the label selector), saves the pods' logs
 (``read_namespaced_pod_log``) and deletes the objects with
 ``propagationPolicy: Background`` on cancel and on completion. The ``kubernetes``
-package is imported only when a backend is made (:class:`Cluster`), so
+package is imported only when a backend is made (:class:`~plait.service.kubeapi.Cluster`), so
 ``import plait`` and the service core do not need it.
 
 Command line (prints the manifests as a JSON ``List`` that ``kubectl apply -f -`` reads)::
 
     python -m plait.service.kubernetes --name NAME --framework torch --instances 3 \\
-        --image IMAGE [--code-dir .] [--image-code-dir /code] [-p KEY=VALUE]... ENTRY_POINT [ARGS...]
+        --image IMAGE [--code-dir .] [--image-code-dir /code] [--operator pods|kubeflow] \\
+        [--slot-resource cpu=1] [-p KEY=VALUE]... ENTRY_POINT [ARGS...]
 """
 
 from __future__ import annotations
@@ -46,10 +55,18 @@ from plait.errors import ConfigError, invalid
 from plait.launch.command import LaunchSpec, mpirun_argv
 from plait.service.bootstrap import log_path
 from plait.service.contract import layout_env
+from plait.service.kubeapi import LABEL as _LABEL
+from plait.service.kubeapi import MPI_GROUP, MPI_PLURAL, MPI_VERSION, Cluster
+from plait.service.kubecapacity import DEFAULT_SLOT, cluster_slots, parse_slot, scale_quantity
+from plait.service.kubeflow import CRDS, FRAMEWORK_KIND, job_state, replica_rank, training_job
 from plait.service.spec import INSTANCES_KEY, JobSpec, make_spec
 
 __all__ = [
     "INDEX_ANNOTATION",
+    "MPI_GROUP",
+    "MPI_PLURAL",
+    "MPI_VERSION",
+    "OPERATORS",
     "Cluster",
     "KubeLaunched",
     "KubernetesBackend",
@@ -59,6 +76,7 @@ __all__ = [
     "pod_exit",
     "render",
     "resource_name",
+    "uses_operator",
 ]
 
 #: Port of rank 0's torch rendezvous (MASTER_PORT).
@@ -67,11 +85,11 @@ TORCH_PORT = 29500
 TF_PORT = 2222
 #: The pod annotation holding its index in an indexed Job.
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
-#: The MPIJob custom resource (Kubeflow's MPI operator).
-MPI_GROUP, MPI_VERSION, MPI_PLURAL = "kubeflow.org", "v2beta1", "mpijobs"
+#: How torch/tensorflow jobs are submitted: ``pods`` (an indexed Job and a Service), ``kubeflow`` (a
+#: PyTorchJob/TFJob; the CRDs must be served), ``auto`` (kubeflow where the cluster serves the CRD).
+OPERATORS = ("pods", "kubeflow", "auto")
 #: Seconds a launch waits for a previous attempt's pods to be gone.
 LEFTOVER_WAIT_S = 120.0
-_LABEL = "plait.dev/job"
 _OUTPUT = "/plait/output"
 
 
@@ -97,6 +115,32 @@ def _pod_argv(spec: JobSpec, code_dir: str, image_code_dir: str, python: str) ->
     return [python, "-u", path, *spec.args] if path.endswith(".py") else [path, *spec.args]
 
 
+def _resources(per_worker: int, slot: tuple[str, str]) -> dict[str, Any]:
+    """A pod's resources: 1 CPU per process requested, and the slot resource if it is another one
+    (requested and limited: extended resources such as ``nvidia.com/gpu`` need a limit)."""
+    resource, amount = slot
+    if resource == "cpu":
+        return {"requests": {"cpu": scale_quantity(amount, per_worker)}}
+    total = scale_quantity(amount, per_worker)
+    return {"requests": {"cpu": str(per_worker), resource: total}, "limits": {resource: total}}
+
+
+def uses_operator(spec: JobSpec, operator: str) -> str | None:
+    """The Kubeflow kind a job becomes under ``operator`` (``None``: an indexed Job or an MPIJob).
+
+    Only ``torch`` and ``tensorflow`` jobs of several workers with one process each, and only with
+    ``operator="kubeflow"`` (``auto`` is resolved by the backend).
+
+    Raises:
+        ConfigError: on an operator other than ``pods`` or ``kubeflow``.
+    """
+    if operator not in ("pods", "kubeflow"):
+        raise invalid("operator", operator, "pods or kubeflow")
+    if operator == "pods" or spec.processes_per_worker != 1 or spec.instances < 2:
+        return None
+    return FRAMEWORK_KIND.get(spec.framework)
+
+
 def render(
     job_id: str,
     spec: JobSpec,
@@ -106,7 +150,8 @@ def render(
     image_code_dir: str = "/code",
     namespace: str = "default",
     python: str = "python",
-    cpu_per_process: str = "1",
+    slot: tuple[str, str] = DEFAULT_SLOT,
+    operator: str = "pods",
 ) -> list[dict[str, Any]]:
     """The objects that run ``spec`` on Kubernetes.
 
@@ -118,18 +163,20 @@ def render(
         image_code_dir: where that directory's content is in the image.
         namespace: the namespace of every object.
         python: the interpreter in the image.
-        cpu_per_process: CPU request per process.
+        slot: ``(resource, quantity)`` each process asks for (default ``("cpu", "1")``).
+        operator: ``pods`` or ``kubeflow`` (see :func:`uses_operator`).
 
     Returns:
         ``[Service, Job]`` (``torch``, ``tensorflow``, ``none``; a one-process job is the
-        ``Job`` alone) or ``[MPIJob]`` (``horovod``, ``mpi``).
+        ``Job`` alone), ``[MPIJob]`` (``horovod``, ``mpi``), or ``[PyTorchJob]`` / ``[TFJob]``.
 
     Raises:
-        ConfigError: on an empty image or namespace.
+        ConfigError: on an empty image or namespace, a bad slot or operator.
     """
     for argument, value in (("image", image), ("namespace", namespace)):
         if not isinstance(value, str) or not value or any(c.isspace() for c in value):
             raise invalid(argument, value, "a non-empty name without spaces")
+    slot = parse_slot(f"{slot[0]}={slot[1]}")
     name = resource_name(job_id)
     labels = {_LABEL: job_id, "plait.dev/name": spec.name, "app.kubernetes.io/managed-by": "plait"}
     meta = {"name": name, "namespace": namespace, "labels": labels}
@@ -139,10 +186,15 @@ def render(
         "PLAIT_PARAMETERS": json.dumps(spec.parameters, sort_keys=True), INSTANCES_KEY: str(spec.instances),
         "PLAIT_OUTPUT_DIR": _OUTPUT, "PYTHONUNBUFFERED": "1",
     }
-    cpu = f"{spec.processes_per_worker * float(cpu_per_process):g}"
+    resources = _resources(spec.processes_per_worker, slot)
     output = {"name": "output", "mountPath": _OUTPUT}
     if spec.framework in ("horovod", "mpi") and spec.world_size > 1:
-        return [_mpijob(spec, meta, labels, image, argv, base, cpu, output, python)]
+        return [_mpijob(spec, meta, labels, image, argv, base, resources, output, python)]
+    kind = uses_operator(spec, operator)
+    if kind is not None:  # the operator sets the group variables; the entry point runs as is
+        container = {"image": image, "command": argv, "env": _env(base), "resources": resources,
+                     "volumeMounts": [output]}
+        return [training_job(kind, meta, labels, container, spec.instances, spec.timeout_s)]
     per = spec.processes_per_worker
     if spec.framework == "torch":
         endpoints = [f"{name}-0.{name}:{TORCH_PORT}"]
@@ -158,7 +210,7 @@ def render(
     container = {
         "name": "worker", "image": image,
         "command": [python, "-m", "plait.service.bootstrap", "--", *argv],
-        "env": env, "ports": ports, "resources": {"requests": {"cpu": cpu}},
+        "env": env, "ports": ports, "resources": resources,
         "volumeMounts": [output],
     }
     job_spec: dict[str, Any] = {
@@ -182,7 +234,8 @@ def render(
 
 
 def _mpijob(spec: JobSpec, meta: dict[str, Any], labels: dict[str, str], image: str, argv: list[str],
-            base: Mapping[str, str], cpu: str, output: dict[str, str], python: str) -> dict[str, Any]:
+            base: Mapping[str, str], resources: dict[str, Any], output: dict[str, str],
+            python: str) -> dict[str, Any]:
     env = {**base, **layout_env(spec.framework, spec.instances, spec.processes_per_worker, [])}
     launch = LaunchSpec(command=(python, "-m", "plait.service.bootstrap", "--", *argv), np=spec.world_size,
                         backend="horovod" if spec.framework == "horovod" else "mpi",
@@ -195,7 +248,7 @@ def _mpijob(spec: JobSpec, meta: dict[str, Any], labels: dict[str, str], image: 
         if command is not None:
             container["command"] = command
         else:
-            container["resources"] = {"requests": {"cpu": cpu}}
+            container["resources"] = resources
         return {"metadata": {"labels": labels}, "spec": {
             "restartPolicy": "Never", "containers": [container],
             "volumes": [{"name": "output", "emptyDir": {}}]}}
@@ -214,135 +267,6 @@ def _mpijob(spec: JobSpec, meta: dict[str, Any], labels: dict[str, str], image: 
         },
     }
 
-
-def _message(exc: BaseException) -> str:
-    """The reason an API call failed: the ``Status`` message the API server sent, else the exception."""
-    status = getattr(exc, "status", None)
-    if isinstance(exc, ValueError) and not isinstance(status, int):
-        return f"the client refused the request or the answer ({type(exc).__name__}: {exc})"
-    if not isinstance(status, int) or status == 0:
-        return f"cannot reach the Kubernetes API ({type(exc).__name__}: {exc})"
-    text = str(getattr(exc, "body", "") or "")
-    try:
-        detail = json.loads(text).get("message") or text
-    except (ValueError, AttributeError):
-        detail = text
-    hint = {403: " (the service's user or service account lacks RBAC permission for it)",
-            401: " (the credentials of the kubeconfig or service account were refused)"}.get(status, "")
-    return f"HTTP {status} {getattr(exc, 'reason', '') or ''}: {str(detail).strip()[:500]}{hint}"
-
-
-class Cluster:
-    """The API calls the backend makes, through the official ``kubernetes`` client (imported here only).
-
-    Args:
-        namespace: the namespace of every call.
-        context: the kubeconfig context (default: its current context).
-        kubeconfig: the kubeconfig file(s) (default: ``$KUBECONFIG``, else ``~/.kube/config``).
-        request_timeout: seconds per API request.
-
-    The configuration is the pod's service account when ``KUBERNETES_SERVICE_HOST`` is set and
-    neither ``context`` nor ``kubeconfig`` is given (the service runs in the cluster), else the kubeconfig.
-
-    Raises:
-        ConfigError: if no cluster is configured, or the ``kubernetes`` package is not installed.
-    """
-
-    def __init__(self, namespace: str, context: str | None = None, kubeconfig: str | None = None,
-                 request_timeout: float = 30.0) -> None:
-        try:
-            from kubernetes import client, config
-            from kubernetes.client.exceptions import ApiException
-            from urllib3.exceptions import HTTPError
-        except ImportError as exc:
-            raise ConfigError(f"the kubernetes backend needs the 'kubernetes' package ({exc}); "
-                              "install it with: pip install 'plait[service]'") from None
-        self.namespace, self.timeout = namespace, request_timeout
-        self.errors: tuple[type[BaseException], ...] = (ApiException, HTTPError, OSError, ValueError)
-        configuration = client.Configuration()
-        try:
-            if os.environ.get("KUBERNETES_SERVICE_HOST") and context is None and kubeconfig is None:
-                config.load_incluster_config(client_configuration=configuration)
-            else:
-                config.load_kube_config(config_file=kubeconfig or os.environ.get("KUBECONFIG") or None,
-                                        context=context, client_configuration=configuration,
-                                        persist_config=False)
-        except (config.ConfigException, OSError, ValueError, TypeError) as exc:
-            raise ConfigError(f"no Kubernetes cluster configured for the kubernetes backend ({exc}); "
-                              "set one with 'kubectl config use-context NAME' (or give a kubeconfig or "
-                              "context, or run the service in a pod)") from None
-        self.host = str(configuration.host)
-        api = client.ApiClient(configuration)
-        self.core = client.CoreV1Api(api)
-        self.batch = client.BatchV1Api(api)
-        self.custom = client.CustomObjectsApi(api)
-
-    def _call(self, action: str, what: str, fn: Any, *args: Any, missing_ok: bool = False,
-              **kwargs: Any) -> Any:
-        try:
-            return fn(*args, _request_timeout=self.timeout, **kwargs)
-        except self.errors as exc:
-            if missing_ok and getattr(exc, "status", None) == 404:
-                return None
-            hint = ""
-            if what.startswith("MPIJob") and getattr(exc, "status", None) == 404:
-                hint = " (is the Kubeflow MPI operator, CRD mpijobs.kubeflow.org, installed?)"
-            raise ConfigError(f"{action} {what} failed at {self.host}: {_message(exc)}{hint}") from None
-
-    def create(self, obj: Mapping[str, Any]) -> None:
-        """Create one object of :func:`render` (a Service, Job or MPIJob) in its namespace.
-
-        Raises:
-            ConfigError: naming the object, if the API refuses it (exists already, forbidden, invalid).
-        """
-        kind, name = obj["kind"], obj["metadata"]["name"]
-        ns = obj["metadata"].get("namespace", self.namespace)
-        what = f"{kind} {ns}/{name}"
-        if kind == "Service":
-            self._call("creating", what, self.core.create_namespaced_service, ns, obj)
-        elif kind == "Job":
-            self._call("creating", what, self.batch.create_namespaced_job, ns, obj)
-        elif kind == "MPIJob":
-            self._call("creating", what, self.custom.create_namespaced_custom_object,
-                       MPI_GROUP, MPI_VERSION, ns, MPI_PLURAL, obj)
-        else:
-            raise invalid("kind", kind, "Service, Job or MPIJob")
-
-    def delete(self, obj: Mapping[str, Any]) -> None:
-        """Delete one object, its pods in the background (``propagationPolicy: Background``); gone is fine.
-
-        Raises:
-            ConfigError: naming the object, if the API refuses.
-        """
-        kind, name = obj["kind"], obj["metadata"]["name"]
-        ns = obj["metadata"].get("namespace", self.namespace)
-        what = f"{kind} {ns}/{name}"
-        # the answer (a Status, or the object being deleted) is not needed: not deserialized
-        options: dict[str, Any] = {"propagation_policy": "Background", "missing_ok": True,
-                                   "_preload_content": False}
-        if kind == "Service":
-            answer = self._call("deleting", what, self.core.delete_namespaced_service, name, ns, **options)
-        elif kind == "Job":
-            answer = self._call("deleting", what, self.batch.delete_namespaced_job, name, ns, **options)
-        elif kind == "MPIJob":
-            answer = self._call("deleting", what, self.custom.delete_namespaced_custom_object, MPI_GROUP,
-                                MPI_VERSION, ns, MPI_PLURAL, name, **options)
-        else:
-            raise invalid("kind", kind, "Service, Job or MPIJob")
-        if answer is not None:
-            answer.drain_conn()  # read it, so that the connection is reused
-            answer.release_conn()
-
-    def pods(self, job_id: str) -> list[Any]:
-        """The pods labelled ``plait.dev/job=JOB_ID`` (``V1Pod`` objects)."""
-        pods = self._call("listing", f"pods {self.namespace}/{_LABEL}={job_id}",
-                          self.core.list_namespaced_pod, self.namespace, label_selector=f"{_LABEL}={job_id}")
-        return list(pods.items or [])
-
-    def log(self, pod: str) -> str:
-        """A pod's log (its first container)."""
-        return str(self._call("reading the log of", f"pod {self.namespace}/{pod}",
-                              self.core.read_namespaced_pod_log, pod, self.namespace))
 
 
 def _pod_index(pod: Any) -> int | None:
@@ -413,26 +337,36 @@ class KubeLaunched:
     _seen: bool = False
     _last: float = float("-inf")
     _failing_since: float | None = None
+    message: str = ""
 
     @property
     def mpi(self) -> bool:
         """Whether the job is an MPIJob."""
         return any(o["kind"] == "MPIJob" for o in self.objects)
 
+    @property
+    def operator_kind(self) -> str | None:
+        """``PyTorchJob`` or ``TFJob`` for a job of the Kubeflow training operator, else ``None``."""
+        return next((o["kind"] for o in self.objects if o["kind"] in CRDS), None)
+
     def poll(self) -> bool:
         """Whether the job has ended (asks the API at most every ``backend.poll_s`` seconds).
 
         An indexed Job ends when every pod has ended, or one failed and none still runs (``backoffLimit:
-        0``: one failed pod fails the Job); an MPIJob when its launcher pod has ended. Then the pods' logs
-        are saved and the objects deleted. Pods seen before and now all gone (deleted from outside), or the
-        API failing for ``backend.api_grace_s`` seconds in a row, end the job with unknown statuses (-1).
+        0``: one failed pod fails the Job); an MPIJob when its launcher pod has ended; a PyTorchJob or
+        TFJob when its ``Succeeded`` or ``Failed`` condition is true (each rank's status from its pod where
+        seen; after ``Succeeded`` the others are 0). Then the pods' logs are saved and the objects deleted.
+        Pods (a PyTorchJob/TFJob: the object) seen before and now gone (deleted from outside), or the API
+        failing for ``backend.api_grace_s`` seconds in a row, end the job with unknown statuses (-1).
         """
         now = time.monotonic()
         if self._ended or now - self._last < self.backend.poll_s:
             return self._ended
         self._last = now
+        kind = self.operator_kind
         try:
             pods = self.backend.cluster.pods(self.job_id)
+            custom = self.backend.cluster.get_custom(self.objects[0]) if kind else None
         except ConfigError as exc:
             if self._failing_since is None:
                 self._failing_since = now
@@ -446,11 +380,14 @@ class KubeLaunched:
         self._failing_since = None
         if self.mpi:
             self._poll_mpijob(pods)
+        elif kind:
+            self._poll_operator(kind, pods, custom)
         else:
             self._poll_job(pods)
-        if self._seen and not pods:
-            self._ended = True  # the pods were deleted from outside: the statuses not seen are unknown
-        self._seen = self._seen or bool(pods)
+        gone = custom is None if kind else not pods
+        if self._seen and gone:
+            self._ended = True  # deleted from outside: the statuses not seen are unknown
+        self._seen = self._seen or not gone
         if self._ended:
             self._cleanup(pods)
         return self._ended
@@ -474,6 +411,20 @@ class KubeLaunched:
                 self._launcher, self._ended = code, True
                 self._codes = {r: 0 for r in range(self.world_size)} if code == 0 else {}
 
+    def _poll_operator(self, kind: str, pods: Sequence[Any], custom: Mapping[str, Any] | None) -> None:
+        for pod in pods:
+            rank, code = replica_rank(kind, pod.metadata.labels), pod_exit(pod)
+            if rank is not None and code is not None and rank < self.world_size:
+                self._codes[rank] = code
+        state, message = job_state(custom)
+        if state == "succeeded":
+            self._ended = True
+            for rank in range(self.world_size):
+                self._codes.setdefault(rank, 0)
+        elif state == "failed":
+            self._ended, self.message = True, message
+            print(f"plait serve: job {self.job_id}: {kind} failed: {message}", flush=True)
+
     def _cleanup(self, pods: Sequence[Any]) -> None:
         """Save the pods' logs, then delete the objects (on completion and on cancel)."""
         self._save_logs(pods)
@@ -485,6 +436,11 @@ class KubeLaunched:
                 if not _is_launcher(pod):
                     continue
                 rank = 0  # mpirun forwards every rank's output to the launcher's log
+            elif self.operator_kind:
+                found = replica_rank(self.operator_kind, pod.metadata.labels)
+                if found is None:
+                    continue
+                rank = found
             else:
                 index = _pod_index(pod)
                 if index is None:
@@ -526,7 +482,9 @@ class KubernetesBackend:
     """Jobs as Kubernetes objects, through the official ``kubernetes`` client (see :class:`Cluster`).
 
     Args:
-        slots: process slots the service may use in the cluster (its capacity).
+        slots: process slots the service may use in the cluster (its capacity); ``None``: what the
+            cluster's schedulable, ready nodes can hold (:func:`~plait.service.kubecapacity.cluster_slots`
+            of ``list_node``, re-read at most every ``capacity_refresh_s`` seconds).
         image: the container image.
         code_dir: the service's code directory; ``image_code_dir``: the same in the image.
         namespace: where the objects go.
@@ -534,24 +492,86 @@ class KubernetesBackend:
         kubeconfig: the kubeconfig file (default: ``$KUBECONFIG``, else ``~/.kube/config``).
         poll_s: seconds between two pod listings of a job.
         api_grace_s: seconds the API may fail in a row before a job is given up (ended, statuses -1).
+        slot: ``(resource, quantity)`` or ``"RESOURCE=QUANTITY"`` one process asks for (the pods'
+            requests, and the unit of the cluster's capacity): default ``("cpu", "1")``.
+        operator: one of :data:`OPERATORS`: ``pods`` (default), ``kubeflow`` (PyTorchJob/TFJob; their
+            CRDs must be served), ``auto`` (each where its CRD is served, found once at start).
+        capacity_refresh_s: seconds between two readings of the nodes (``slots=None`` only).
 
     Raises:
-        ConfigError: if no cluster is configured (or the ``kubernetes`` package is missing).
+        ConfigError: if no cluster is configured (or the ``kubernetes`` package is missing), on a bad
+            argument, if ``operator="kubeflow"`` and the cluster serves neither CRD, or if ``slots`` is
+            ``None`` and the nodes cannot be listed or hold no process.
     """
 
     name = "kubernetes"
 
-    def __init__(self, slots: int, image: str, code_dir: str, image_code_dir: str = "/code",
+    def __init__(self, slots: int | None, image: str, code_dir: str, image_code_dir: str = "/code",
                  namespace: str = "default", *, context: str | None = None, kubeconfig: str | None = None,
-                 poll_s: float = 2.0, api_grace_s: float = 120.0) -> None:
-        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
-            raise invalid("slots", slots, "an integer >= 1 (the processes this service may run)")
-        self.capacity, self.image, self.code_dir = slots, image, code_dir
+                 poll_s: float = 2.0, api_grace_s: float = 120.0, slot: tuple[str, str] | str = DEFAULT_SLOT,
+                 operator: str = "pods", capacity_refresh_s: float = 60.0) -> None:
+        if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
+            raise invalid("slots", slots, "an integer >= 1 (the processes this service may run), or None "
+                          "(read from the cluster's nodes)")
+        if operator not in OPERATORS:
+            raise invalid("operator", operator, f"one of {', '.join(OPERATORS)}")
+        self.slot = parse_slot(slot if isinstance(slot, str) else "=".join(map(str, slot)))
+        self.image, self.code_dir = image, code_dir
         self.image_code_dir, self.namespace = image_code_dir, namespace
         self.poll_s, self.api_grace_s = poll_s, api_grace_s
+        self.fixed_slots, self.capacity_refresh_s = slots, capacity_refresh_s
         self._used = 0
         self._lock = threading.Lock()
         self.cluster = Cluster(namespace, context=context, kubeconfig=kubeconfig)
+        self.kinds = self._operator_kinds(operator)
+        self._read_at = time.monotonic()
+        self.capacity = slots if slots is not None else self._cluster_capacity()
+
+    def _operator_kinds(self, operator: str) -> frozenset[str]:
+        """The Kubeflow kinds jobs become (``kubeflow``: those served, at least one; ``auto``: those
+        served, none if discovery fails)."""
+        if operator == "pods":
+            return frozenset()
+        try:
+            served = frozenset(kind for kind in CRDS if self.cluster.serves(kind))
+        except ConfigError as exc:
+            if operator == "kubeflow":
+                raise
+            print(f"plait serve: kubernetes: {exc}; jobs run as indexed Jobs", flush=True)
+            return frozenset()
+        if operator == "kubeflow" and not served:
+            raise invalid("operator", operator, "pods or auto: the cluster serves neither pytorchjobs nor "
+                          "tfjobs of kubeflow.org/v1 (install the Kubeflow training operator)")
+        return served
+
+    def _cluster_capacity(self) -> int:
+        resource, amount = self.slot
+        slots = cluster_slots(self.cluster.nodes(), resource, amount)
+        if slots < 1:
+            raise ConfigError(f"the cluster's schedulable, ready nodes hold no process asking for "
+                              f"{resource}={amount} (give the capacity with --slots N, or another "
+                              f"--slot-resource)")
+        return slots
+
+    def refresh_capacity(self, force: bool = False) -> int:
+        """Re-read the capacity from the nodes (``slots=None`` only; at most every ``capacity_refresh_s``
+        unless ``force``). A failed reading keeps the last capacity (reported on stdout).
+
+        Returns:
+            The capacity.
+        """
+        now = time.monotonic()
+        if self.fixed_slots is not None or (not force and now - self._read_at < self.capacity_refresh_s):
+            return self.capacity
+        self._read_at = now
+        try:
+            capacity = self._cluster_capacity()
+        except ConfigError as exc:
+            print(f"plait serve: kubernetes capacity: {exc}; keeping {self.capacity} slots", flush=True)
+            return self.capacity
+        with self._lock:
+            self.capacity = capacity
+        return capacity
 
     def free_slots(self) -> int:
         """Slots not taken by this service's running jobs."""
@@ -559,7 +579,8 @@ class KubernetesBackend:
             return self.capacity - self._used
 
     def allocate(self, spec: JobSpec) -> list[str] | None:
-        """Take ``spec``'s slots; the workers are its pods' stable names."""
+        """Take ``spec``'s slots (the capacity re-read first when due); the workers are its pods' names."""
+        self.refresh_capacity()
         with self._lock:
             if self._used + spec.world_size > self.capacity:
                 return None
@@ -582,8 +603,10 @@ class KubernetesBackend:
 
     def objects(self, job_id: str, spec: JobSpec) -> list[dict[str, Any]]:
         """The job's manifests (:func:`render` with this backend's settings)."""
+        kind = FRAMEWORK_KIND.get(spec.framework)
         return render(job_id, spec, image=self.image, code_dir=self.code_dir,
-                      image_code_dir=self.image_code_dir, namespace=self.namespace)
+                      image_code_dir=self.image_code_dir, namespace=self.namespace, slot=self.slot,
+                      operator="kubeflow" if kind in self.kinds else "pods")
 
     def launch(self, job_id: str, spec: JobSpec, workers: Sequence[str], job_env: Mapping[str, str],
                job_dir: str, endpoints: Sequence[str]) -> KubeLaunched:
@@ -644,6 +667,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--image-code-dir", default="/code")
     p.add_argument("--namespace", default="default")
     p.add_argument("--job-id", default="example-job")
+    p.add_argument("--operator", choices=("pods", "kubeflow"), default="pods")
+    p.add_argument("--slot-resource", default="cpu=1", metavar="RESOURCE=QUANTITY")
     p.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("entry_point")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -656,7 +681,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          parameters={**params, INSTANCES_KEY: args.instances}, framework=args.framework,
                          processes_per_worker=args.processes_per_worker)
         objects = render(args.job_id, spec, image=args.image, code_dir=args.code_dir,
-                         image_code_dir=args.image_code_dir, namespace=args.namespace)
+                         image_code_dir=args.image_code_dir, namespace=args.namespace,
+                         slot=parse_slot(args.slot_resource), operator=args.operator)
     except ConfigError as exc:
         print(f"{p.prog}: error: {exc}", file=sys.stderr)
         return 2

@@ -5,6 +5,8 @@ Usage::
     plait serve [--listen 127.0.0.1:50051] [--work-dir DIR] [--store FILE] [--code-dir DIR]
                 [--slots N | -H host:slots,... | --hostfile FILE] [--agent CMD]
                 [--network-interface IF] [--token-file FILE] [--abort-grace S]
+                [--backend kubernetes --image IMAGE [--namespace NS] [--context C] [--kubeconfig F]
+                 [--slot-resource RESOURCE=QUANTITY] [--k8s-operator pods|kubeflow|auto]]
 
 It listens on localhost unless told otherwise, has gRPC reflection on (``grpcurl
 -plaintext 127.0.0.1:50051 list``), and with ``--token-file`` requires the
@@ -211,7 +213,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="entry points must be files inside this directory (default: .)")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--slots", type=int, metavar="N",
-                       help="process slots on this machine (default: its CPU count)")
+                       help="process slots on this machine (default: its CPU count); kubernetes: in the "
+                            "cluster (default: what its nodes can hold, see --slot-resource)")
     where.add_argument("-H", "--hosts", metavar="HOST:SLOTS,...", help="hosts and their slots")
     where.add_argument("--hostfile", metavar="FILE", help="hostfile of 'HOST slots=N' lines")
     p.add_argument("--agent", metavar="CMD",
@@ -228,6 +231,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", help="kubernetes: the kubeconfig context (default: its current one)")
     p.add_argument("--kubeconfig", metavar="FILE",
                    help="kubernetes: the kubeconfig file (default: $KUBECONFIG, ~/.kube/config)")
+    p.add_argument("--slot-resource", default="cpu=1", metavar="RESOURCE=QUANTITY",
+                   help="kubernetes: what one process asks for (default cpu=1; e.g. nvidia.com/gpu=1); "
+                        "without --slots the capacity is what the cluster's nodes can hold of it")
+    p.add_argument("--k8s-operator", choices=("pods", "kubeflow", "auto"), default="pods",
+                   help="kubernetes: torch/tensorflow jobs as an indexed Job and a Service (pods, default), "
+                        "as Kubeflow PyTorchJob/TFJob (kubeflow), or those where the cluster serves the "
+                        "CRD (auto)")
     p.add_argument("--abort-grace", type=float, default=10.0, metavar="S",
                    help="seconds the other ranks get after one failed (default 10)")
     return p
@@ -264,10 +274,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.backend == "kubernetes":
             if not args.image:
                 raise ConfigError("invalid --image=None: the kubernetes backend needs the workers' image")
-            slots = args.slots if args.slots is not None else 8
-            backend = KubernetesBackend(slots, args.image, args.code_dir, args.image_code_dir,
+            backend = KubernetesBackend(args.slots, args.image, args.code_dir, args.image_code_dir,
                                         args.namespace, context=args.context,
-                                        kubeconfig=args.kubeconfig)
+                                        kubeconfig=args.kubeconfig, slot=args.slot_resource,
+                                        operator=args.k8s_operator)
         else:
             backend = HostsBackend(_hosts(args), shlex.split(args.agent) if args.agent else None,
                                    args.network_interface)
