@@ -506,3 +506,39 @@ def test_torch_random_round_codes_are_a_neighbouring_level(path):
     assert bool(((up == 0) | (up.sign() == flat.sign())).all())
     mean = (codes.abs() - flat.abs() * 2.5).mean().item()
     assert abs(mean) < 5e-3, mean
+
+
+class _CopyingResidual(Residual):
+    """Error feedback that never writes in place: the reference for the in-place one."""
+
+    def compensate(self, tensor, name):
+        held = self.residuals.get(name)
+        return tensor if held is None else tensor + held
+
+    def update(self, tensor, name, compressor, payload, ctx):
+        self.residuals[name] = tensor - compressor.decompress(payload, ctx)
+
+    def update_decoded(self, tensor, name, decoded):
+        self.residuals[name] = tensor - decoded
+
+
+@pytest.mark.parametrize("fw", ["numpy", "torch"])
+@pytest.mark.parametrize("kind", ["none", *LOSSY])
+def test_in_place_error_feedback_equals_copying_error_feedback(fw, kind):
+    """Through compressed_allreduce on a one-rank communicator that hands the payload back
+    as it is (so a lossless compressor's result is the compensated tensor itself): every
+    step's result and the final residual equal those of error feedback that never writes
+    in place, and the caller's results of earlier steps stay as they were."""
+    make = NoneCompressor if kind == "none" else LOSSY[kind]
+    memories = Residual(), _CopyingResidual()
+    compressors = make(), make()
+    kept: list[list[np.ndarray]] = [[], []]
+    for step in range(4):
+        g = normal((6, 5), seed=200 + step)
+        for i in range(2):
+            out = compressed_allreduce(SelfComm(), tensor(fw, g), "w", compressors[i], memories[i])
+            kept[i].append((out, arr(out).copy()))
+        np.testing.assert_array_equal(arr(kept[0][-1][0]), arr(kept[1][-1][0]), err_msg=f"step {step}")
+    for out, seen in kept[0]:
+        np.testing.assert_array_equal(arr(out), seen)  # later steps did not write into it
+    np.testing.assert_array_equal(arr(memories[0].residuals["w"]), arr(memories[1].residuals["w"]))

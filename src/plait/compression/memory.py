@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from plait.adapters import ops_for
 from plait.errors import invalid
 from plait.protocols import Tensor
@@ -110,23 +112,35 @@ class Residual:
     def update(
         self, tensor: Tensor, name: str, compressor: Compressor, payload: Sequence[Tensor], ctx: Any
     ) -> None:
-        """Store ``tensor - compressor.decompress(payload, ctx)`` for ``name``."""
+        """Store ``tensor - compressor.decompress(payload, ctx)`` for ``name``.
+
+        Written into ``tensor`` when it is the memory's own (see :meth:`compensate`) and the
+        payload, which is sent after this update, does not share its memory (a lossless
+        compressor may send ``tensor`` itself).
+        """
+        mine = self._mine.pop(name, None) is tensor and not _shares(tensor, payload)
         own = getattr(compressor, "residual", None)  # a cheaper way to the same difference
         if own is not None:
-            self.residuals[name] = own(tensor, payload, ctx, inplace=self._mine.pop(name, None) is tensor)
+            self.residuals[name] = own(tensor, payload, ctx, inplace=mine)
         else:
-            self.update_decoded(tensor, name, compressor.decompress(payload, ctx))
+            self._difference(tensor, name, compressor.decompress(payload, ctx), mine)
 
     def update_decoded(self, tensor: Tensor, name: str, decoded: Tensor) -> None:
         """Store ``tensor - decoded`` for ``name``, where ``decoded`` is the decompressed payload
-        (:func:`~plait.compression.compressed_allreduce` calls this when it decoded the payload anyway).
+        (:func:`~plait.compression.compressed_allreduce` calls this when it decoded the payload anyway,
+        after the exchange).
 
         Args:
             tensor: the compensated tensor that was compressed.
             name: its name.
             decoded: what the receivers decode.
         """
-        if self._mine.pop(name, None) is tensor:  # our memory: write the difference into it
+        self._difference(tensor, name, decoded, self._mine.pop(name, None) is tensor)
+
+    def _difference(self, tensor: Tensor, name: str, decoded: Tensor, mine: bool) -> None:
+        """Store ``tensor - decoded``: into ``tensor`` when it is ``mine`` and ``decoded``
+        (returned to the caller, or about to be) is not a view of it."""
+        if mine and not _shares(tensor, [decoded]):
             self.residuals[name] = ops_for(tensor).add_into(tensor, decoded, 1.0, -1.0)
         else:
             self.residuals[name] = tensor - decoded
@@ -138,3 +152,16 @@ class Residual:
 
     def __repr__(self) -> str:
         return f"Residual(beta={self.beta}, gamma={self.gamma})"
+
+
+def _shares(tensor: Tensor, others: Sequence[Tensor]) -> bool:
+    """Whether any of ``others`` may share ``tensor``'s memory (torch: the same storage;
+    numpy: overlapping buffers; anything else cannot be written in place anyway)."""
+    storage = getattr(tensor, "untyped_storage", None)
+    if callable(storage):
+        ptr = storage().data_ptr()
+        return any(callable(getattr(o, "untyped_storage", None)) and o.untyped_storage().data_ptr() == ptr
+                   for o in others)
+    if isinstance(tensor, np.ndarray):
+        return any(isinstance(o, np.ndarray) and np.may_share_memory(tensor, o) for o in others)
+    return False
