@@ -542,3 +542,13 @@ def test_in_place_error_feedback_equals_copying_error_feedback(fw, kind):
     for out, seen in kept[0]:
         np.testing.assert_array_equal(arr(out), seen)  # later steps did not write into it
     np.testing.assert_array_equal(arr(memories[0].residuals["w"]), arr(memories[1].residuals["w"]))
+
+
+def test_a_residual_restored_as_numpy_still_compensates_a_torch_gradient():
+    """Async checkpoints restore residuals as numpy arrays: compensating a torch gradient
+    then gives a torch tensor, as before error feedback wrote in place."""
+    torch = pytest.importorskip("torch")
+    memory = Residual()
+    memory.residuals["w"] = np.ones((2, 3), dtype=np.float32)
+    c = memory.compensate(torch.full((2, 3), 2.0), "w")
+    assert isinstance(c, torch.Tensor) and torch.equal(c, torch.full((2, 3), 3.0))

@@ -103,9 +103,12 @@ class Residual:
         stores the new one in the same memory. No step touches new memory that way.
         """
         held = self.residuals.pop(name, None)
-        if held is None:
-            return tensor if self.gamma == 1.0 else tensor * self.gamma
-        out = ops_for(held).add_into(held, tensor, self.beta, self.gamma)
+        ops = ops_for(tensor)
+        if held is None or (ops_for(held) is not ops or ops.dtype_name(held) != ops.dtype_name(tensor)
+                            or ops.shape(held) != ops.shape(tensor)):  # e.g. restored as numpy
+            scaled = tensor if self.gamma == 1.0 else tensor * self.gamma
+            return scaled if held is None else scaled + (held if self.beta == 1.0 else held * self.beta)
+        out = ops.add_into(held, tensor, self.beta, self.gamma)
         self._mine[name] = out
         return out
 
