@@ -339,3 +339,73 @@ def test_manifest_printer_takes_the_operator_and_the_slot() -> None:
     (obj,) = json.loads(out.stdout)["items"]
     container = obj["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     assert obj["kind"] == "TFJob" and container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+
+
+# -- live logs -------------------------------------------------------------------------------------------
+
+def test_stream_log_follows_the_pod_of_the_rank(api: Api, tmp_path: Path) -> None:
+    server, kubeconfig = api
+    backend = _backend(kubeconfig)
+    spec = _spec("torch", 2, 2)
+    server.pods = [_pod(0, "Running"), _pod(1, "Running")]
+    pod1 = server.pods[1]["metadata"]["name"]
+    server.follow = {pod1: ["epoch 1\n", "epoch 2\n", "done\n"]}
+    chunks = list(backend.stream_log(JOB, spec, 3, True, lambda: False))  # rank 3: pod 1
+    assert b"".join(chunks) == b"epoch 1\nepoch 2\ndone\n" and len(chunks) >= 2  # as written, not at once
+    (request,) = [r for r in server.requests if r["path"].endswith("/log")]
+    assert request["path"] == f"/api/v1/namespaces/training/pods/{pod1}/log"
+    assert request["query"]["follow"] == ["true"]
+    server.logs = {server.pods[0]["metadata"]["name"]: "so far\n"}
+    assert b"".join(backend.stream_log(JOB, spec, 1, False, lambda: False)) == b"so far\n"  # no follow
+
+    # no pod yet, then a container not started (400): waited for until the job ends
+    server.pods, server.requests[:] = [], []
+    tries = iter(range(100))
+    assert list(backend.stream_log(JOB, spec, 0, True, lambda: next(tries) >= 3)) == []
+    assert len([r for r in server.requests if r["path"].endswith("/pods")]) == 3
+    # an MPIJob's ranks: the launcher's log
+    server.pods = [_pod(None, "Running", container="launcher")]
+    server.follow = {server.pods[0]["metadata"]["name"]: ["mpirun output\n"]}
+    assert b"".join(backend.stream_log(JOB, _spec("mpi", 2), 1, True, lambda: False)) == b"mpirun output\n"
+
+
+def test_logs_rpc_streams_from_the_pod_then_the_saved_log(api: Api, tmp_path: Path) -> None:
+    """``Logs(follow)`` through the real gRPC server and client: the pod's live log while the job runs, then
+    what the log saved at the end holds beyond it (the stream was cut before the last line here)."""
+    grpc = pytest.importorskip("grpc")
+    from plait.service import training_pb2 as pb
+    from plait.service import training_pb2_grpc as pb_grpc
+    from plait.service.server import make_server
+
+    server, kubeconfig = api
+    store = JobStore(str(tmp_path / "jobs.db"))
+    service = Service(store, _backend(kubeconfig, slots=4), str(CODE), str(tmp_path / "w"))
+    service.start()
+    rpc, port = make_server(service, "127.0.0.1:0")
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        stub = pb_grpc.TrainingStub(channel)
+        job = service.submit(name="digits", entry_point="torch_group.py", framework="torch",
+                             parameters={"PARALLEL_INSTANCES": "2"})
+        _wait(lambda: service.status(job.id).state == "running")
+        server.pods = [_pod(i, "Running", job=job.id) for i in range(2)]  # after the launch
+        name = server.pods[1]["metadata"]["name"]
+        server.follow = {name: ["step 1\n", "step 2\n"]}
+        server.logs = {name: "step 1\nstep 2\nstep 3\n"}
+        stream = stub.Logs(pb.LogsRequest(job_id=job.id, rank=1, follow=True), timeout=30)
+        first = next(stream)
+        assert first.data == b"step 1\n" and first.rank == 1  # live, while the job runs
+        server.pods = [_pod(i, "Succeeded", 0, job=job.id) for i in range(2)]
+        rest = b"".join(c.data for c in stream)
+        assert first.data + rest == b"step 1\nstep 2\nstep 3\n"
+        assert service.status(job.id).state == "succeeded"
+        again = b"".join(c.data for c in stub.Logs(pb.LogsRequest(job_id=job.id, rank=1), timeout=30))
+        assert again == b"step 1\nstep 2\nstep 3\n"  # ended: the saved log
+        with pytest.raises(grpc.RpcError) as info:
+            list(stub.Logs(pb.LogsRequest(job_id=job.id, rank=2), timeout=30))
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        channel.close()
+        rpc.stop(0)
+        service.stop()
+        store.close()

@@ -19,7 +19,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Protocol
 
 from plait.errors import invalid
@@ -183,6 +183,34 @@ class Service:
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < job.spec.world_size:
             raise invalid("rank", rank, f"a rank of job {job_id} in [0, {job.spec.world_size})")
         return log_path(self.job_dir(job_id), rank)
+
+    def live_log(self, job_id: str, rank: int, follow: bool) -> Iterator[bytes] | None:
+        """``rank``'s output straight from where it runs, for a backend whose logs reach the job
+        directory only when the job ends (the ``kubernetes`` backend's ``stream_log``).
+
+        Args:
+            job_id: the job.
+            rank: its rank (checked by :meth:`log_file` first).
+            follow: stream until the rank's pod ends; else what its log holds now.
+
+        Returns:
+            The chunks, or ``None`` when the job directory's file is the place to read (another backend,
+            or the job is not running: queued, or ended and its logs saved).
+
+        Raises:
+            UnknownJobError: for an unknown job; ConfigError for a rank outside the job (checked only
+                where the backend streams).
+        """
+        stream = getattr(self.backend, "stream_log", None)
+        if stream is None:
+            return None
+        self.log_file(job_id, rank)
+        job = self.store.get(job_id)
+        if job.state not in ("launching", "running"):
+            return None
+        chunks: Iterator[bytes] = stream(job_id, job.spec, rank, follow,
+                                         lambda: self.store.get(job_id).final)
+        return chunks
 
     # -- scheduling --------------------------------------------------------------------------
     def _schedule_loop(self) -> None:

@@ -201,20 +201,21 @@ class Cluster:
         return str(self._call("reading the log of", f"pod {self.namespace}/{pod}",
                               self.core.read_namespaced_pod_log, pod, self.namespace))
 
-    def follow_log(self, pod: str) -> Iterator[bytes]:
-        """A pod's log as it is written (``follow=true``), in chunks, until the container ends.
+    def follow_log(self, pod: str, follow: bool = True) -> Iterator[bytes]:
+        """A pod's log (its first container) in chunks: with ``follow``, as it is written, until the
+        container ends (``follow=true``); without, what it holds now.
 
         Raises:
-            ConfigError: if the API refuses (e.g. the container has not started yet).
+            ConfigError: if the API refuses (e.g. the container has not started yet), also mid-stream.
         """
         answer = self._call("following the log of", f"pod {self.namespace}/{pod}",
-                            self.core.read_namespaced_pod_log, pod, self.namespace, follow=True,
+                            self.core.read_namespaced_pod_log, pod, self.namespace, follow=follow,
                             _preload_content=False, _request_timeout=(self.timeout, FOLLOW_IDLE_S))
         try:
-            yield from answer.stream(1 << 14, decode_content=True)
+            while data := answer.read1(1 << 14, decode_content=True):  # what has come, not 16 KiB
+                yield data
         except self.errors as exc:
             raise ConfigError(f"following the log of pod {self.namespace}/{pod} failed at {self.host}: "
                               f"{_message(exc)}") from None
         finally:
             answer.release_conn()
-

@@ -47,7 +47,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -640,6 +640,55 @@ class KubernetesBackend:
         """Watch a job created before the service restarted."""
         return KubeLaunched(self, job_id, self.objects(job_id, spec), spec.world_size,
                             spec.processes_per_worker, job_dir)
+
+    def _rank_pod(self, job_id: str, spec: JobSpec, rank: int) -> str | None:
+        """The name of the pod whose log holds ``rank``'s output (``None``: none listed yet)."""
+        kind = self.objects(job_id, spec)[0]["kind"]
+        for pod in self.cluster.pods(job_id):
+            if kind == "MPIJob":
+                found = _is_launcher(pod)
+            elif kind in CRDS:
+                found = replica_rank(kind, pod.metadata.labels) == rank
+            else:
+                found = _pod_index(pod) == rank // spec.processes_per_worker
+            if found:
+                return str(pod.metadata.name)
+        return None
+
+    def stream_log(self, job_id: str, spec: JobSpec, rank: int, follow: bool,
+                   stop: Callable[[], bool]) -> Iterator[bytes]:
+        """The live log of the pod that runs ``rank`` (``read_namespaced_pod_log``, ``follow=true`` with
+        ``follow``): pod ``rank // processes_per_worker`` of an indexed Job (its processes share it), the
+        replica of that rank of a PyTorchJob/TFJob, the launcher of an MPIJob (``mpirun`` forwards every
+        rank's output there).
+
+        Args:
+            job_id: the job.
+            spec: its spec.
+            rank: the rank.
+            follow: stream until the container ends; else what the log holds now.
+            stop: called between tries: ``True`` once the job has ended (then nothing more is tried).
+
+        Returns:
+            The log's chunks. With ``follow``, a pod not listed yet or a container not started yet is
+            waited for (``poll_s``) until ``stop()``; a stream cut by the API ends the iterator (the log
+            saved when the job ends has the rest).
+        """
+        while not stop():
+            sent = False
+            try:
+                pod = self._rank_pod(job_id, spec, rank)
+                if pod is not None:
+                    for chunk in self.cluster.follow_log(pod, follow):
+                        sent = True
+                        yield chunk
+                    return
+            except ConfigError:
+                if sent:
+                    return
+            if not follow:
+                return
+            time.sleep(max(self.poll_s, 0.05))
 
     def delete_objects(self, objects: Sequence[Mapping[str, Any]]) -> None:
         """Delete the objects, the job last (best effort: a failure is reported, the others still go)."""

@@ -129,8 +129,19 @@ class TrainingServicer(pb_grpc.TrainingServicer):
         except (ValueError, TypeError) as exc:
             _abort(context, exc)
             raise
-        offset = 0
+        offset, live_done = 0, False
         while context.is_active():
+            if not live_done:  # kubernetes: from the pod while it runs; the log saved at the end has the rest
+                live = self.service.live_log(request.job_id, int(request.rank), request.follow)
+                if live is not None:
+                    live_done = True
+                    for data in live:
+                        if not context.is_active():
+                            return
+                        offset += len(data)
+                        yield pb.LogChunk(rank=request.rank, data=data)
+                    if not request.follow:
+                        return
             final = self.service.status(request.job_id).final
             data = b""
             try:
