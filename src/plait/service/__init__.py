@@ -10,7 +10,10 @@ exit codes per rank and the progress rank 0 reports with
 Modules: :mod:`~plait.service.spec` (validation), :mod:`~plait.service.store`
 (SQLite), :mod:`~plait.service.contract` and :mod:`~plait.service.bootstrap`
 (the per-rank contract), :mod:`~plait.service.hosts` (the hosts backend),
-:mod:`~plait.service.kubernetes` (manifests for a cluster),
+:mod:`~plait.service.kubernetes` (the Kubernetes backend: manifests, with
+:mod:`~plait.service.kubeapi` its API calls, :mod:`~plait.service.kubewatch` its job handle,
+:mod:`~plait.service.kubecapacity` the cluster's capacity, :mod:`~plait.service.kubeflow` the
+PyTorchJob/TFJob objects),
 :mod:`~plait.service.core` (queue, scheduler, runners) and, importing grpc,
 :mod:`~plait.service.server` and :mod:`~plait.service.client`.
 This package imports nothing on import; ``import plait`` does not import it.
