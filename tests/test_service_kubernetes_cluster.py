@@ -78,8 +78,11 @@ def test_capacity_is_read_from_the_nodes(api: Api) -> None:
     server.nodes = [*NODES, _node("c", {"cpu": "2", "pods": "110"})]
     assert backend.refresh_capacity() == 22  # within capacity_refresh_s
     assert backend.refresh_capacity(force=True) == 24 and backend.capacity == 24
+    server.nodes = [*NODES, _node("c", {"cpu": "3", "pods": "110"})]
+    backend.capacity_refresh_s = 0.0
+    assert backend.capacity == 25  # what a submitted job is checked against: re-read when due
     server.fail[("GET", "/api/v1/nodes")] = (403, "Forbidden")
-    assert backend.refresh_capacity(force=True) == 24
+    assert backend.refresh_capacity(force=True) == 25 and backend.free_slots() == 25
     server.nodes = [NODES[3], NODES[4]]
     del server.fail[("GET", "/api/v1/nodes")]
     with pytest.raises(ConfigError, match="hold no process asking for cpu=1.*--slots"):

@@ -314,7 +314,7 @@ class KubernetesBackend:
         self.cluster = Cluster(namespace, context=context, kubeconfig=kubeconfig)
         self.kinds = self._operator_kinds(operator)
         self._read_at = time.monotonic()
-        self.capacity = slots if slots is not None else self._cluster_capacity()
+        self._capacity = slots if slots is not None else self._cluster_capacity()
 
     def _operator_kinds(self, operator: str) -> frozenset[str]:
         """The Kubeflow kinds jobs become (``kubeflow``: those served, at least one; ``auto``: those
@@ -351,27 +351,33 @@ class KubernetesBackend:
         """
         now = time.monotonic()
         if self.fixed_slots is not None or (not force and now - self._read_at < self.capacity_refresh_s):
-            return self.capacity
+            return self._capacity
         self._read_at = now
         try:
             capacity = self._cluster_capacity()
         except ConfigError as exc:
-            print(f"plait serve: kubernetes capacity: {exc}; keeping {self.capacity} slots", flush=True)
-            return self.capacity
+            print(f"plait serve: kubernetes capacity: {exc}; keeping {self._capacity} slots", flush=True)
+            return self._capacity
         with self._lock:
-            self.capacity = capacity
+            self._capacity = capacity
         return capacity
+
+    @property
+    def capacity(self) -> int:
+        """The process slots in all (what a job may need at most); re-read from the nodes when due."""
+        return self.refresh_capacity()
 
     def free_slots(self) -> int:
         """Slots not taken by this service's running jobs."""
         with self._lock:
-            return self.capacity - self._used
+            return self._capacity - self._used
 
     def allocate(self, spec: JobSpec) -> list[str] | None:
-        """Take ``spec``'s slots (the capacity re-read first when due); the workers are its pods' names."""
+        """Take ``spec``'s slots (the capacity re-read first when due, also when a job is submitted);
+        the workers are its pods' names."""
         self.refresh_capacity()
         with self._lock:
-            if self._used + spec.world_size > self.capacity:
+            if self._used + spec.world_size > self._capacity:
                 return None
             self._used += spec.world_size
         return [f"pod {i}" for i in range(spec.instances)]
