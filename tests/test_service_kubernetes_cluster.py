@@ -290,6 +290,25 @@ def test_a_failed_tfjob_and_one_deleted_from_outside(api: Api, tmp_path: Path) -
     assert again.poll() and again.exit_codes() == {0: -1, 1: -1}
 
 
+def test_adoption_finds_the_object_the_job_was_made_with(api: Api, tmp_path: Path) -> None:
+    """A service restarted with another --k8s-operator still watches (and deletes) what the job is."""
+    server, kubeconfig = api
+    server.resources = {"kubeflow.org/v1": ["pytorchjobs"]}
+    _backend(kubeconfig, operator="kubeflow").launch(JOB, _spec("torch", 2), [], {}, str(tmp_path), [])
+    path = f"{PYTORCHJOBS}/{NAME}"
+    assert path in server.objects
+    restarted = _backend(kubeconfig)  # operator pods now
+    adopted = restarted.adopt(JOB, _spec("torch", 2), [], str(tmp_path))
+    assert adopted.operator_kind == "PyTorchJob"
+    _set_conditions(server, path, "Created", "Succeeded")
+    assert adopted.poll() and adopted.exit_codes() == {0: 0, 1: 0}
+    assert ("DELETE", path) in server.calls("DELETE") and path not in server.objects
+    # and the other way round: made as an indexed Job, adopted by a kubeflow service
+    _backend(kubeconfig).launch(JOB, _spec("torch", 2), [], {}, str(tmp_path), [])
+    other = _backend(kubeconfig, operator="kubeflow").adopt(JOB, _spec("torch", 2), [], str(tmp_path))
+    assert other.operator_kind is None and [o["kind"] for o in other.objects] == ["Service", "Job"]
+
+
 def test_kubeflow_needs_the_crds_and_auto_falls_back(api: Api) -> None:
     server, kubeconfig = api
     with pytest.raises(ConfigError, match="operator='kubeflow'.*training operator"):

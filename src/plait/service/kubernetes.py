@@ -311,6 +311,7 @@ class KubernetesBackend:
         self.fixed_slots, self.capacity_refresh_s = slots, capacity_refresh_s
         self._used = 0
         self._lock = threading.Lock()
+        self._made: dict[str, list[dict[str, Any]]] = {}  # job id -> the objects made (or adopted)
         self.cluster = Cluster(namespace, context=context, kubeconfig=kubeconfig)
         self.kinds = self._operator_kinds(operator)
         self._read_at = time.monotonic()
@@ -396,12 +397,18 @@ class KubernetesBackend:
         """None chosen here: the manifests name stable DNS names and fixed ports."""
         return []
 
-    def objects(self, job_id: str, spec: JobSpec) -> list[dict[str, Any]]:
-        """The job's manifests (:func:`render` with this backend's settings)."""
-        kind = FRAMEWORK_KIND.get(spec.framework)
+    def objects(self, job_id: str, spec: JobSpec, operator: str | None = None) -> list[dict[str, Any]]:
+        """The job's manifests (:func:`render` with this backend's settings; ``operator``: ``pods`` or
+        ``kubeflow`` instead of this backend's choice for the job's framework)."""
+        if operator is None:
+            operator = "kubeflow" if FRAMEWORK_KIND.get(spec.framework) in self.kinds else "pods"
         return render(job_id, spec, image=self.image, code_dir=self.code_dir,
                       image_code_dir=self.image_code_dir, namespace=self.namespace, slot=self.slot,
-                      operator="kubeflow" if kind in self.kinds else "pods")
+                      operator=operator)
+
+    def forget(self, job_id: str) -> None:
+        """Drop what was kept about a job's objects (its handle calls it once they are deleted)."""
+        self._made.pop(job_id, None)
 
     def launch(self, job_id: str, spec: JobSpec, workers: Sequence[str], job_env: Mapping[str, str],
                job_dir: str, endpoints: Sequence[str]) -> KubeLaunched:
@@ -429,16 +436,29 @@ class KubernetesBackend:
         except ConfigError:
             self.delete_objects(created)
             raise
+        self._made[job_id] = objects
         return KubeLaunched(self, job_id, objects, spec.world_size, spec.processes_per_worker, job_dir)
 
     def adopt(self, job_id: str, spec: JobSpec, pgids: Sequence[int], job_dir: str) -> KubeLaunched:
-        """Watch a job created before the service restarted."""
-        return KubeLaunched(self, job_id, self.objects(job_id, spec), spec.world_size,
-                            spec.processes_per_worker, job_dir)
+        """Watch a job created before the service restarted.
+
+        A job that could be a PyTorchJob/TFJob is watched as one if that object exists, whatever this
+        service's ``operator`` (the previous one may have been started with another).
+
+        Raises:
+            ConfigError: if the API cannot be asked whether that object exists.
+        """
+        objects = self.objects(job_id, spec)
+        if uses_operator(spec, "kubeflow") is not None:
+            custom = self.objects(job_id, spec, "kubeflow")
+            objects = custom if self.cluster.get_custom(custom[0]) is not None else self.objects(
+                job_id, spec, "pods")
+        self._made[job_id] = objects
+        return KubeLaunched(self, job_id, objects, spec.world_size, spec.processes_per_worker, job_dir)
 
     def _rank_pod(self, job_id: str, spec: JobSpec, rank: int) -> str | None:
         """The name of the pod whose log holds ``rank``'s output (``None``: none listed yet)."""
-        kind = self.objects(job_id, spec)[0]["kind"]
+        kind = self._made.get(job_id, self.objects(job_id, spec))[0]["kind"]
         for pod in self.cluster.pods(job_id):
             if kind == "MPIJob":
                 found = is_launcher(pod)
@@ -494,8 +514,8 @@ class KubernetesBackend:
                 print(f"plait serve: clean-up: {exc}", flush=True)
 
     def delete(self, job_id: str, spec: JobSpec) -> None:
-        """Delete every object of a job (clean-up on cancel and on completion)."""
-        self.delete_objects(self.objects(job_id, spec))
+        """Delete every object of a job (those it was made or adopted with, else this backend's choice)."""
+        self.delete_objects(self._made.get(job_id) or self.objects(job_id, spec))
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -185,6 +185,7 @@ class KubeLaunched:
         """Save the pods' logs, then delete the objects (on completion and on cancel)."""
         self._save_logs(pods)
         self.backend.delete_objects(self.objects)
+        self.backend.forget(self.job_id)
 
     def _save_logs(self, pods: Sequence[Any]) -> None:
         for pod in pods:
