@@ -307,6 +307,9 @@ def test_adoption_finds_the_object_the_job_was_made_with(api: Api, tmp_path: Pat
     _backend(kubeconfig).launch(JOB, _spec("torch", 2), [], {}, str(tmp_path), [])
     other = _backend(kubeconfig, operator="kubeflow").adopt(JOB, _spec("torch", 2), [], str(tmp_path))
     assert other.operator_kind is None and [o["kind"] for o in other.objects] == ["Service", "Job"]
+    server.fail[("GET", path)] = (500, "InternalError")  # cannot tell: as this service would make it
+    assert _backend(kubeconfig, operator="kubeflow").adopt(JOB, _spec("torch", 2), [],
+                                                           str(tmp_path)).operator_kind == "PyTorchJob"
 
 
 def test_kubeflow_needs_the_crds_and_auto_falls_back(api: Api) -> None:

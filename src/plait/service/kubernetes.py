@@ -443,16 +443,18 @@ class KubernetesBackend:
         """Watch a job created before the service restarted.
 
         A job that could be a PyTorchJob/TFJob is watched as one if that object exists, whatever this
-        service's ``operator`` (the previous one may have been started with another).
-
-        Raises:
-            ConfigError: if the API cannot be asked whether that object exists.
+        service's ``operator`` (the previous one may have been started with another); if the API cannot
+        say, as this service would have made it.
         """
         objects = self.objects(job_id, spec)
         if uses_operator(spec, "kubeflow") is not None:
             custom = self.objects(job_id, spec, "kubeflow")
-            objects = custom if self.cluster.get_custom(custom[0]) is not None else self.objects(
-                job_id, spec, "pods")
+            try:
+                found = self.cluster.get_custom(custom[0]) is not None
+                objects = custom if found else self.objects(job_id, spec, "pods")
+            except ConfigError as exc:
+                print(f"plait serve: adopting job {job_id}: {exc}; watched as {objects[-1]['kind']}",
+                      flush=True)
         self._made[job_id] = objects
         return KubeLaunched(self, job_id, objects, spec.world_size, spec.processes_per_worker, job_dir)
 
