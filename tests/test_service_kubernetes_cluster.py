@@ -279,7 +279,7 @@ def test_a_failed_tfjob_and_one_deleted_from_outside(api: Api, tmp_path: Path) -
     assert not launched.poll() and launched.failed_rank() == (1, 3)
     _set_conditions(server, path, "Created", "Failed")
     assert launched.poll() and launched.exit_codes() == {0: -1, 1: 3}
-    assert launched.message == "job is failed"
+    assert launched.message == "TFJob failed: job is failed"
     assert [r["path"] for r in server.requests if r["method"] == "DELETE"] == [path]
 
     server.requests.clear()
@@ -342,6 +342,14 @@ def test_service_runs_and_cancels_pytorchjobs(api: Api, tmp_path: Path) -> None:
         done = service.status(job.id)
         assert (done.state, done.exit_codes) == ("succeeded", {0: 0, 1: 0})
         assert path not in server.objects
+
+        failing = service.submit(**request, parameters={"PARALLEL_INSTANCES": "2"})
+        failing_path = f"{PYTORCHJOBS}/plait-{failing.id}"
+        _wait(lambda: failing_path in server.objects and service.status(failing.id).state == "running")
+        _set_conditions(server, failing_path, "Created", "Failed")
+        _wait(lambda: service.status(failing.id).final)
+        failed = service.status(failing.id)
+        assert failed.state == "failed" and "PyTorchJob failed: job is failed" in failed.message, failed
 
         other = service.submit(**request, parameters={"PARALLEL_INSTANCES": "3"})
         other_path = f"{PYTORCHJOBS}/plait-{other.id}"

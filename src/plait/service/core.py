@@ -376,6 +376,9 @@ class Service:
         self._read_progress(job_id, progress_file, offset)
         codes = launched.exit_codes()
         state, message = self._outcome(codes, launched.launcher_code(), reason)
+        detail = str(getattr(launched, "message", "") or "")  # e.g. a Kubeflow job's Failed condition
+        if state == "failed" and detail:
+            message = f"{message} ({detail})"
         return state, message, codes, not reason.startswith(("cancelled", "timed out"))
 
     @staticmethod

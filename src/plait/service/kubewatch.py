@@ -78,6 +78,8 @@ class KubeLaunched:
         world_size: ranks.
         per_worker: processes per pod.
         job_dir: where the pods' logs are saved when the job ends (``rank-N.log``).
+        message: why a PyTorchJob/TFJob failed (its ``Failed`` condition; the service adds it to the
+            job's status message).
     """
 
     backend: KubernetesBackend
@@ -178,7 +180,7 @@ class KubeLaunched:
             for rank in range(self.world_size):
                 self._codes.setdefault(rank, 0)
         elif state == "failed":
-            self._ended, self.message = True, message
+            self._ended, self.message = True, f"{kind} failed: {message}" if message else ""
             print(f"plait serve: job {self.job_id}: {kind} failed: {message}", flush=True)
 
     def _cleanup(self, pods: Sequence[Any]) -> None:
