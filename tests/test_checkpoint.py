@@ -459,7 +459,7 @@ def test_a_residual_memorys_state_is_a_snapshot_that_later_steps_leave_alone(fw:
 
     memory, compressor = Residual(), TopK(0.25)
     for step in range(3):
-        c = memory.compensate(tensor(step), "w")
+        c = memory.compensate_in_place(tensor(step), "w")
         memory.update(c, "w", compressor, *compressor.compress(c, "w"))
         if step == 1:
             state = as_stateful(memory).state_dict()

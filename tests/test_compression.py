@@ -268,7 +268,7 @@ def test_error_feedback_accumulates_exactly_what_was_dropped(fw, kind):
         g = normal((6, 5), seed=100 + step, dtype="float64")
         total_in += g
         given = tensor(fw, g)
-        c = memory.compensate(given, "layer.w")
+        c = memory.compensate_in_place(given, "layer.w")
         payload, ctx = compressor.compress(c, "layer.w")
         memory.update(c, "layer.w", compressor, payload, ctx)
         total_sent += arr(compressor.decompress(payload, ctx))
@@ -286,7 +286,7 @@ def test_error_feedback_after_the_first_step_touches_no_new_memory(kind):
     compressor, memory = LOSSY[kind](), Residual()
     where = []
     for step in range(3):
-        c = memory.compensate(torch.from_numpy(normal((6, 5), seed=step)), "w")
+        c = memory.compensate_in_place(torch.from_numpy(normal((6, 5), seed=step)), "w")
         payload, ctx = compressor.compress(c, "w")
         memory.update(c, "w", compressor, payload, ctx)
         where.append((c.data_ptr(), memory.residuals["w"].data_ptr()))
@@ -550,5 +550,20 @@ def test_a_residual_restored_as_numpy_still_compensates_a_torch_gradient():
     torch = pytest.importorskip("torch")
     memory = Residual()
     memory.residuals["w"] = np.ones((2, 3), dtype=np.float32)
-    c = memory.compensate(torch.full((2, 3), 2.0), "w")
+    c = memory.compensate_in_place(torch.full((2, 3), 2.0), "w")
     assert isinstance(c, torch.Tensor) and torch.equal(c, torch.full((2, 3), 3.0))
+
+
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_compensate_leaves_the_residual_and_compensate_in_place_uses_it_up(fw):
+    """``compensate`` can be called to look at what will be compressed (twice, the same);
+    ``compensate_in_place`` (what compressed_allreduce calls) returns the same values."""
+    memory = Residual(beta=0.5, gamma=2.0)
+    memory.residuals["w"] = tensor(fw, np.full((2, 3), 4.0, np.float32))
+    g = tensor(fw, np.ones((2, 3), np.float32))
+    first, second = arr(memory.compensate(g, "w")), arr(memory.compensate(g, "w"))
+    np.testing.assert_array_equal(first, np.full((2, 3), 4.0))
+    np.testing.assert_array_equal(second, first)
+    np.testing.assert_array_equal(arr(memory.compensate_in_place(g, "w")), first)
+    assert "w" not in memory.residuals  # until the update stores the new residual
+    np.testing.assert_array_equal(arr(g), np.ones((2, 3)))

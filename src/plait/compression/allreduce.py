@@ -82,7 +82,7 @@ def compressed_allreduce(
             f"compressed_allreduce of {name!r}: {compressor!r} with {memory!r} needs eager tensors; "
             "inside tf.function only NoneCompressor, FP16 and BF16 without memory work"
         )
-    compensated = memory.compensate(tensor, name)
+    compensated = getattr(memory, "compensate_in_place", memory.compensate)(tensor, name)
     if isinstance(compressor, Exchanger):
         payload, ctx, sent = compressor.exchange(comm, compensated, name, average)
         result = compressor.decompress(payload, ctx)
