@@ -128,7 +128,7 @@ class Residual:
     ) -> None:
         """Store ``tensor - compressor.decompress(payload, ctx)`` for ``name``.
 
-        Written into ``tensor`` when it is the memory's own (see :meth:`compensate`) and the
+        Written into ``tensor`` when it is the memory's own (see :meth:`compensate_in_place`) and the
         payload, which is sent after this update, does not share its memory (a lossless
         compressor may send ``tensor`` itself).
         """
