@@ -160,9 +160,12 @@ class DistributedGradientTape:
         shared = [i for i, s in enumerate(flat) if _key(s) not in self._local]
         reduced = reduce_gradients([grads[i] for i in shared], [flat[i] for i in shared],
                                    self._comm, **self._kw)
-        out = [_scaled_local(g, self._comm.size if self._scale_local else 1) for g in grads]
+        out = list(grads)
         for i, g in zip(shared, reduced):
             out[i] = g
+        size = self._comm.size if self._scale_local else 1
+        for i in set(range(len(out))).difference(shared):  # local sources only
+            out[i] = _scaled_local(grads[i], size)
         return tf.nest.pack_sequence_as(sources, out)
 
     def get_local_and_global_gradients(self, target: Any, sources: Any,
