@@ -18,9 +18,11 @@ checkpoint (new model, optimizer and algorithm objects), and compares:
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 import time
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 os.environ.setdefault("KERAS_BACKEND", "tensorflow")
@@ -143,14 +145,28 @@ class Keras:
 FRAMEWORKS = {"torch": Torch(), "keras": Keras()}
 
 
+#: directories this process made; removed when the module's tests end
+MADE: list[str] = []
+
+
 @pytest.fixture(scope="module")
-def comm() -> Any:
-    return make_comm("mpi")
+def comm() -> Iterator[Any]:
+    c = make_comm("mpi")
+    yield c
+    c.barrier()  # every rank is done with the shared directories
+    for path in MADE:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def made(prefix: str) -> str:
+    """A fresh temporary directory, removed after the module's tests."""
+    MADE.append(tempfile.mkdtemp(prefix=prefix))
+    return MADE[-1]
 
 
 def shared_dir(comm: Any) -> str:
     """A fresh directory every rank of ``comm`` sees (one machine: one file system)."""
-    path = tempfile.mkdtemp(prefix="plait-ckpt-") if comm.rank == 0 else None
+    path = made("plait-ckpt-") if comm.rank == 0 else None
     return str(comm.broadcast_object(path, 0))
 
 
@@ -298,7 +314,7 @@ def test_error_feedback_memories_are_saved_per_rank(backend, read):
 
 
 def test_shared_read_of_directories_that_differ_is_an_error_on_every_rank(comm):
-    mine = tempfile.mkdtemp(prefix=f"plait-ckpt-rank{comm.rank}-")
+    mine = made(f"plait-ckpt-rank{comm.rank}-")
     m = Torch().model(0)
     if comm.rank == 0:
         Checkpoint(mine, comm=None).save(3, m)
