@@ -7,6 +7,7 @@ Framework-free: each face passes its framework name to :func:`init`.
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -143,9 +144,15 @@ def check_groups(groups: Any, num_groups: int) -> None:
     raise invalid("groups", groups, "None, an integer > 0 or a list of lists of variables")
 
 
+#: ``hvd.elastic`` on the MPI backend: relaunched by ``plait run --elastic``.
+_RELAUNCH_ELASTIC = {"plait.collectives.horovod_elastic_torch": "plait.adapters.torch_elastic"}
+
+
 def elastic_attribute(face: str, module: str) -> Callable[[str], Any]:
     """A module ``__getattr__`` giving a face Horovod's ``hvd.elastic``, imported on first use
-    (it needs horovod; ``import plait.torch`` must not import it).
+    (it needs horovod; ``import plait.torch`` must not import it). On the MPI backend (or
+    before ``init`` in a job started by ``plait run --elastic``) torch gets
+    :mod:`plait.adapters.torch_elastic` instead.
 
     Args:
         face: the face module's name (for the error).
@@ -157,7 +164,10 @@ def elastic_attribute(face: str, module: str) -> Callable[[str], Any]:
 
     def __getattr__(name: str) -> Any:  # noqa: N807 - the module hook
         if name == "elastic":
-            return importlib.import_module(module)
+            relaunch = _RELAUNCH_ELASTIC.get(module)
+            mpi = (runtime.world().backend == "mpi" if runtime.is_initialized()
+                   else "PLAIT_ELASTIC_DIR" in os.environ)
+            return importlib.import_module(relaunch if relaunch is not None and mpi else module)
         raise AttributeError(f"module {face!r} has no attribute {name!r}")
 
     return __getattr__

@@ -51,6 +51,7 @@ from plait.launch.command import (
     LaunchSpec,
     build_command,
 )
+from plait.launch.elastic import ElasticPolicy, run_elastic
 from plait.launch.hostfile import HostSlots, check_np, parse_hostfile, parse_hosts, total_slots
 from plait.launch.restart import RestartPolicy, run_with_restarts
 
@@ -60,6 +61,7 @@ __all__ = [
     "KEEPALIVE_MCA",
     "KILL_GRACE_S",
     "build_parser",
+    "elastic_policy",
     "main",
     "run_command",
     "spec_from_args",
@@ -166,6 +168,18 @@ def build_parser() -> argparse.ArgumentParser:
                    help="exclude a host blamed for K failures (default 2)")
     p.add_argument("--probe-timeout", type=_positive_float, default=15.0, metavar="S",
                    help="after a failure, seconds each host has to answer a probe job (default 15)")
+    el = p.add_argument_group("elastic (MPI backend: the job is started again when hosts change)")
+    el.add_argument("--elastic", action="store_true",
+                    help="follow --host-discovery-script (requires --min-np and --max-np)")
+    el.add_argument("--host-discovery-script", metavar="CMD",
+                    help="prints one HOST or HOST:SLOTS per line")
+    el.add_argument("--min-np", type=_positive_int, metavar="N", help="fewest ranks")
+    el.add_argument("--max-np", type=_positive_int, metavar="N", help="most ranks")
+    el.add_argument("--elastic-timeout", type=_positive_float, default=600.0, metavar="S",
+                    help="seconds to wait for --min-np slots (default 600)")
+    el.add_argument("--discovery-interval", type=_positive_float, default=1.0, metavar="S",
+                    help="seconds between discovery runs (default 1)")
+    el.add_argument("--reset-limit", type=_count, metavar="K", help="most relaunches (default: no limit)")
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
     return p
 
@@ -224,6 +238,37 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         mca=mca,
         timeline=args.timeline and os.path.abspath(args.timeline),  # "" stays (and is refused)
     )
+
+
+def elastic_policy(args: argparse.Namespace) -> ElasticPolicy | None:
+    """The ``--elastic`` options as a policy (checked even without ``--elastic``).
+
+    Args:
+        args: the namespace returned by :func:`build_parser`.
+
+    Returns:
+        The policy, or None without ``--elastic``.
+
+    Raises:
+        ConfigError: when ``--elastic`` lacks its options, or they contradict each other
+            or the launch.
+    """
+    given = [f for f in ("host_discovery_script", "min_np", "max_np") if getattr(args, f) is not None]
+    if not args.elastic:
+        if given:
+            raise ConfigError(f"--{given[0].replace('_', '-')} needs --elastic")
+        return None
+    missing = [f"--{f.replace('_', '-')}" for f in ("host_discovery_script", "min_np", "max_np")
+               if getattr(args, f) is None]
+    if missing:
+        raise ConfigError(f"--elastic needs {', '.join(missing)}")
+    if args.launcher != "mpirun" or args.restarts:
+        raise ConfigError("--elastic runs through mpirun and restarts by itself: drop "
+                          + ("--launcher horovodrun (use horovodrun's own --host-discovery-script)"
+                             if args.launcher != "mpirun" else "--restarts"))
+    return ElasticPolicy(args.host_discovery_script, args.min_np, args.max_np,
+                         interval=args.discovery_interval, elastic_timeout=args.elastic_timeout,
+                         reset_limit=args.reset_limit)
 
 
 def _descendants(pid: int) -> list[int]:
@@ -430,6 +475,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exc.code if isinstance(exc.code, int) else 2
     try:
         spec = spec_from_args(args)
+        elastic = elastic_policy(args)
     except ConfigError as exc:
         print(f"{_PROG}: error: {exc}", file=sys.stderr)
         return 2
@@ -438,6 +484,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(cmd.shell())
         return 0
     try:
+        if elastic is not None:
+            return run_elastic(spec, elastic, os.environ, os.geteuid() == 0, run_command)
         if args.restarts > 0:
             hosts = list(spec.hosts)
             if not hosts and args.hostfile is not None:

@@ -1,0 +1,251 @@
+"""Horovod's elastic API on the MPI backend: commits persisted, membership changed by relaunch.
+
+Under ``plait run --elastic`` (see :mod:`plait.launch.elastic`) an MPI job cannot
+change its world in place, so plait's ``hvd.elastic`` on the MPI backend keeps
+Horovod's spelling and semantics with a relaunch in between:
+
+* ``state.commit()`` saves the state in memory (as Horovod's does), writes it to
+  ``PLAIT_ELASTIC_DIR`` (one file per host, written by the host's first rank,
+  atomically), and checks for host changes: rank 0 asks ``plait run`` and every
+  rank learns the answer in one broadcast. After a change every rank raises
+  :class:`HostsUpdatedInterrupt` at the same commit;
+* ``hvd.elastic.run(func)`` starts by restoring the newest commit any rank's host
+  holds (a relaunch), calls the reset callbacks after such a restore (the world
+  size may have changed, as after Horovod's reset), makes every rank hold the same
+  state (``sync``), and runs ``func``. On :class:`HostsUpdatedInterrupt` the
+  process exits with :data:`~plait.launch.elastic.EXIT_RELAUNCH` and ``plait run``
+  starts the job again on the new hosts;
+* a rank that dies ends the job as any MPI failure does; ``plait run`` starts it
+  again and it resumes from the last commit, as Horovod's restore does.
+
+Framework states subclass :class:`State` (``plait.adapters.torch_elastic``).
+Without ``plait run --elastic`` (no ``PLAIT_ELASTIC_DIR``) commits stay in memory
+and host changes never happen.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from plait import runtime
+from plait.errors import PlaitError, invalid
+from plait.launch.elastic import EXIT_RELAUNCH
+
+__all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "run"]
+
+_FILE = "commit-{host}.pkl"
+
+
+class HostsUpdatedInterrupt(PlaitError):
+    """The job's hosts changed: every rank stops at this commit (Horovod's exception).
+
+    Args:
+        skip_sync: Horovod's flag (kept for compatibility; a relaunch always syncs).
+    """
+
+    def __init__(self, skip_sync: bool = False) -> None:
+        super().__init__("the job's hosts changed; it stops here and starts again on them")
+        self.skip_sync = skip_sync
+
+
+def _ask_launcher(commits: int) -> int | None:
+    """The host generation from ``plait run`` (None outside an elastic job or unreachable)."""
+    addr = os.environ.get("PLAIT_ELASTIC_ADDR")
+    if not addr:
+        return None
+    host, _, port = addr.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            s.sendall(f"commit {commits}\n".encode())
+            answer = s.makefile().readline().strip()
+    except (OSError, ValueError) as exc:
+        print(f"plait elastic: could not reach plait run at {addr} ({exc}); hosts assumed unchanged",
+              file=sys.stderr, flush=True)
+        return None
+    return int(answer) if answer.isdigit() else None
+
+
+class State:
+    """Horovod's elastic state: commit, restore, sync and reset callbacks, persisted for a
+    relaunch.
+
+    Subclasses implement :meth:`snapshot` and :meth:`load_snapshot` (everything the
+    state holds as picklable objects); this class keeps plain attributes
+    (``State(epoch=0, batch=0)`` gives ``state.epoch``, ``state.batch``).
+
+    Args:
+        **kwargs: plain attributes, committed and restored with the rest.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._attrs = list(kwargs)
+        for name, value in kwargs.items():
+            setattr(self, name, value)
+        self._callbacks: list[Callable[[], None]] = []
+        self._commits = 0
+        self._saved: Any = None
+        self.save()
+
+    # -- what a framework state provides ----------------------------------------------
+    def snapshot(self) -> dict[str, Any]:
+        """Everything to commit, as picklable objects (copies, not views).
+
+        Returns:
+            The plain attributes; subclasses add theirs.
+        """
+        return {"attrs": {name: getattr(self, name) for name in self._attrs}}
+
+    def load_snapshot(self, snap: dict[str, Any]) -> None:
+        """Take the state back from :meth:`snapshot`'s result.
+
+        Args:
+            snap: a snapshot.
+        """
+        for name, value in snap["attrs"].items():
+            setattr(self, name, value)
+
+    # -- Horovod's State API ------------------------------------------------------------
+    def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
+        """Functions called after the world changed (here: after a relaunch restored a commit).
+
+        Args:
+            callbacks: functions of no arguments.
+        """
+        self._callbacks.extend(callbacks)
+
+    def on_reset(self) -> None:
+        """Call the reset callbacks."""
+        for callback in self._callbacks:
+            callback()
+
+    def save(self) -> None:
+        """Remember the state in memory (the last commit)."""
+        self._saved = pickle.loads(pickle.dumps(self.snapshot()))
+
+    def restore(self) -> None:
+        """Go back to the last commit."""
+        self.load_snapshot(pickle.loads(pickle.dumps(self._saved)))
+
+    def sync(self, root_rank: int = 0) -> None:
+        """Make every rank hold ``root_rank``'s state.
+
+        Args:
+            root_rank: the rank whose state every rank takes.
+        """
+        world = runtime.world()
+        if world.size > 1:
+            self.load_snapshot(world.broadcast_object(self.snapshot() if world.rank == root_rank
+                                                      else None, root_rank))
+        self.save()
+
+    def commit(self) -> None:
+        """Save the state, persist it for a relaunch, and check for host changes.
+
+        Raises:
+            HostsUpdatedInterrupt: on every rank, when the job's hosts changed.
+        """
+        self._commits += 1
+        self.save()
+        self._persist()
+        self.check_host_updates()
+
+    def check_host_updates(self) -> None:
+        """Raise :class:`HostsUpdatedInterrupt` on every rank when the hosts changed.
+
+        Raises:
+            HostsUpdatedInterrupt: the hosts changed since this job started.
+        """
+        if "PLAIT_ELASTIC_ADDR" not in os.environ:
+            return
+        world = runtime.world()
+        changed = False
+        if world.rank == 0:
+            generation = _ask_launcher(self._commits)
+            changed = generation is not None and generation != int(
+                os.environ.get("PLAIT_ELASTIC_GENERATION", "0"))
+        if world.broadcast_object(changed, 0):
+            raise HostsUpdatedInterrupt()
+
+    # -- persistence -------------------------------------------------------------------
+    def _path(self) -> str | None:
+        directory = os.environ.get("PLAIT_ELASTIC_DIR")
+        if not directory:
+            return None
+        return os.path.join(directory, _FILE.format(host=socket.gethostname()))
+
+    def _persist(self) -> None:
+        path = self._path()
+        if path is None or runtime.world().local_rank != 0:
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "wb") as f:
+            pickle.dump({"commits": self._commits, "state": self._saved}, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+
+    def resume(self) -> bool:
+        """Restore the newest persisted commit any rank's host holds, on every rank.
+
+        Returns:
+            True when a commit was restored (then every rank holds it).
+        """
+        world = runtime.world()
+        path = self._path()
+        mine: dict[str, Any] | None = None
+        if path is not None and os.path.exists(path):
+            with open(path, "rb") as f:
+                mine = pickle.load(f)
+        counts = world.allgather_object(-1 if mine is None else int(mine["commits"]))
+        best = max(counts)
+        if best < 0:
+            return False
+        root = counts.index(best)
+        if world.rank == root and mine is not None:
+            self.load_snapshot(mine["state"])
+        self._commits = best
+        self.sync(root)
+        return True
+
+
+class ObjectState(State):
+    """Horovod's ``ObjectState``: only plain attributes."""
+
+
+def run(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Horovod's ``hvd.elastic.run`` on the MPI backend.
+
+    Args:
+        func: the training function; its first argument is a :class:`State`.
+
+    Returns:
+        The wrapped function: it resumes from the last persisted commit (calling the reset
+        callbacks after one), syncs the state from rank 0 otherwise, and runs ``func``; when
+        the hosts change, the process exits with ``EXIT_RELAUNCH`` for ``plait run`` to
+        start the job again on them.
+
+    Raises:
+        ConfigError: when the first argument is not a :class:`State`.
+    """
+
+    def wrapper(state: State, *args: Any, **kwargs: Any) -> Any:
+        if not isinstance(state, State):
+            raise invalid("state", type(state).__name__,
+                          "a plait elastic State (e.g. hvd.elastic.TorchState)")
+        if state.resume():
+            state.on_reset()
+        else:
+            state.sync()
+        try:
+            return func(state, *args, **kwargs)
+        except HostsUpdatedInterrupt:
+            # every rank raised it at the same commit, so shutting down stays in step
+            raise SystemExit(EXIT_RELAUNCH) from None
+
+    return wrapper

@@ -1,0 +1,154 @@
+"""``plait run --elastic`` on the MPI backend: a killed worker, a host added, bad input.
+
+The job (tests/parallel/job_elastic_mpi.py) is Horovod's elastic torch loop with
+``import plait.torch as hvd``; its weights after every relaunch must equal a
+one-process run of the same steps (every committed step applied exactly once).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import pytest
+from jobs import ROOT, mpi_env
+
+from plait.errors import ConfigError
+from plait.launch.elastic import ElasticPolicy, discover, plan_hosts
+from plait.launch.hostfile import HostSlots
+from plait.launch.run import build_parser, elastic_policy
+from plait.testing.netns import EmulatedHosts, unavailable_reason
+from plait.testing.pytest_fixtures import emulated_hosts  # noqa: F401  (fixture)
+
+torch = pytest.importorskip("torch")  # the commits hold torch tensors: loaded at once
+Factory = Callable[..., EmulatedHosts]
+JOB = ROOT / "tests" / "parallel" / "job_elastic_mpi.py"
+STEPS = 40
+
+
+def _commits(directory: Path) -> int:
+    """The most commits any host's file holds."""
+    best = 0
+    for path in directory.glob("commit-*.pkl"):
+        try:
+            with open(path, "rb") as f:
+                best = max(best, int(pickle.load(f)["commits"]))
+        except (OSError, EOFError, pickle.UnpicklingError):
+            continue  # being replaced
+    return best
+
+
+def _until(cond: Callable[[], bool], proc: subprocess.Popen[str], what: str, limit: float = 120) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():
+        assert proc.poll() is None, f"the job ended before {what}"
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+@pytest.mark.timeout(300)
+def test_killed_worker_then_added_host_resume_from_the_last_commit(
+        tmp_path: Path, emulated_hosts: Factory) -> None:  # noqa: F811
+    """2 hosts; the second one's worker is SIGKILLed and its host leaves discovery (the
+    job goes on with 1 rank from the last commit); a third host is added (2 ranks again)."""
+    hosts = emulated_hosts(3, slots=1)
+    h0, h1, h2 = hosts.hosts
+    listed = tmp_path / "hosts"
+    listed.write_text(f"{h0}:1\n{h1}:1\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    commits, pids = tmp_path / "commits", tmp_path / "pids"
+    pids.mkdir()
+    env = mpi_env({"EL_STEPS": str(STEPS), "EL_SLEEP": "0.2", "EL_OUT": str(tmp_path / "w.npy"),
+                   "EL_PIDS": str(pids), "PLAIT_ELASTIC_DIR": str(commits), "PLAIT_TIMEOUT": "20"})
+    env["PATH"] = f"{hosts.bin_dir}:{env['PATH']}"
+    argv = [sys.executable, "-m", "plait.launch.run", "--elastic", "--min-np", "1", "--max-np", "2",
+            "--host-discovery-script", str(script), "--discovery-interval", "0.5",
+            "--timeout", "150", *hosts.mpirun_args(),
+            *[a for k in env if k.startswith("EL_") for a in ("-x", k)], "--", sys.executable, str(JOB)]
+    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
+        proc = hosts.popen(h0, argv, env=env, stdout=out, stderr=err, cwd=str(ROOT))
+        try:
+            _until(lambda: _commits(commits) >= 4, proc, "4 commits")
+            killed_at = _commits(commits)
+            listed.write_text(f"{h0}:1\n")
+            os.kill(int((pids / "pid-1-0").read_text()), signal.SIGKILL)
+            _until(lambda: (pids / "pid-0-1").exists() and _commits(commits) >= killed_at + 3, proc,
+                   "3 commits after the relaunch")
+            listed.write_text(f"{h0}:1\n{h2}:1\n")
+            proc.wait(timeout=200)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    context = f"{stderr[-4000:]}\n{stdout[-3000:]}"
+    assert proc.returncode == 0, context
+    starts = [(int(s), int(b)) for s, b in re.findall(r"EL start rank=0 size=(\d) batch=(\d+)", stdout)]
+    assert [s for s, _ in starts] == [2, 1, 2], context
+    # each start resumed from a commit at least as new as the one seen before its change
+    assert starts[0][1] == 0 and killed_at <= starts[1][1] < STEPS, context
+    assert starts[2][1] >= starts[1][1] + 3, context
+    assert f"starting 2 ranks on {h0}:1,{h2}:1" in stderr, context
+    done = re.findall(r"EL done rank=\d size=2 batch=(\d+) replicas_equal=(\w+)", stdout)
+    assert done == [(str(STEPS), "True")] * 2, context
+    sys.path.insert(0, str(JOB.parent))
+    try:
+        from job_elastic_mpi import serial
+    finally:
+        sys.path.pop(0)
+    np.testing.assert_allclose(np.load(tmp_path / "w.npy"), serial(STEPS), rtol=1e-5, atol=1e-6)
+
+
+def test_discovery_output_and_failures_are_checked(tmp_path: Path) -> None:
+    assert discover("printf 'a:2\\nb\\n\\n'") == [HostSlots("a", 2), HostSlots("b", 1)]
+    assert discover("true") == []
+    with pytest.raises(ConfigError, match="failed with exit status 3: oops"):
+        discover("echo oops >&2; exit 3")
+    with pytest.raises(ConfigError, match="line 'a:x'"):
+        discover("echo a:x")
+    with pytest.raises(ConfigError, match="did not finish within 0.5s"):
+        discover("sleep 5", timeout=0.5)
+
+
+def test_plan_leaves_out_blamed_hosts_and_caps_at_max_np() -> None:
+    found = [HostSlots("a", 2), HostSlots("b", 2), HostSlots("c", 1)]
+    assert plan_hosts(found, [], 3) == [HostSlots("a", 2), HostSlots("b", 1)]
+    assert plan_hosts(found, ["a"], 8) == [HostSlots("b", 2), HostSlots("c", 1)]
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args([*argv, "--", "true"])
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--elastic", "--min-np", "1", "--max-np", "2"], "--elastic needs --host-discovery-script"),
+    (["--min-np", "2"], "--min-np needs --elastic"),
+    (["--elastic", "--host-discovery-script", "d", "--min-np", "3", "--max-np", "2"],
+     r"--max-np=2: expected an integer >= --min-np \(3\)"),
+    (["--elastic", "--host-discovery-script", "d", "--min-np", "1", "--max-np", "2", "--restarts", "1"],
+     "drop --restarts"),
+])
+def test_elastic_options_are_checked(argv: list[str], match: str) -> None:
+    with pytest.raises(ConfigError, match=match):
+        elastic_policy(_args(*argv))
+
+
+def test_elastic_policy_from_options() -> None:
+    got = elastic_policy(_args("--elastic", "--host-discovery-script", "d", "--min-np", "1",
+                               "--max-np", "4", "--reset-limit", "3"))
+    assert got == ElasticPolicy("d", 1, 4, reset_limit=3)
+    assert elastic_policy(_args()) is None
