@@ -17,6 +17,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -47,7 +48,7 @@ def _commits(directory: Path) -> int:
     return best
 
 
-def _until(cond: Callable[[], bool], proc: subprocess.Popen[str], what: str, limit: float = 120) -> None:
+def _until(cond: Callable[[], bool], proc: subprocess.Popen[Any], what: str, limit: float = 120) -> None:
     deadline = time.monotonic() + limit
     while not cond():
         assert proc.poll() is None, f"the job ended before {what}"
@@ -111,6 +112,45 @@ def test_killed_worker_then_added_host_resume_from_the_last_commit(
     finally:
         sys.path.pop(0)
     np.testing.assert_allclose(np.load(tmp_path / "w.npy"), serial(STEPS), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.timeout(300)
+def test_keras_loop_follows_a_host_that_shrinks(tmp_path: Path) -> None:
+    """Keras 3 custom loop on one machine: discovery goes from 2 slots to 1; the job stops at
+    a commit, starts again on 1 rank from it and ends with a one-process run's weights."""
+    listed = tmp_path / "hosts"
+    listed.write_text("localhost:2\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {listed}\n")
+    script.chmod(0o755)
+    commits, pids = tmp_path / "commits", tmp_path / "pids"
+    pids.mkdir()
+    env = mpi_env({"EL_STEPS": "20", "EL_SLEEP": "0.2", "EL_PIDS": str(pids),
+                   "PLAIT_ELASTIC_DIR": str(commits), "PLAIT_TIMEOUT": "60"})
+    argv = [sys.executable, "-m", "plait.launch.run", "--elastic", "--min-np", "1", "--max-np", "2",
+            "--host-discovery-script", str(script), "--discovery-interval", "0.5", "--timeout", "200",
+            *[a for k in env if k.startswith("EL_") for a in ("-x", k)], "--", sys.executable,
+            str(JOB.parent / "job_elastic_keras_mpi.py")]
+    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
+        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, cwd=str(ROOT),
+                                start_new_session=True)
+        try:
+            _until(lambda: _commits(commits) >= 3, proc, "3 commits", limit=200)
+            listed.write_text("localhost:1\n")
+            proc.wait(timeout=200)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    context = f"{stderr[-4000:]}\n{stdout[-3000:]}"
+    assert proc.returncode == 0, context
+    starts = [(int(s), int(b)) for s, b in re.findall(r"EL start rank=0 size=(\d) batch=(\d+)", stdout)]
+    assert [s for s, _ in starts] == [2, 1] and starts[1][1] >= 3, context
+    done = re.search(r"EL done rank=0 size=1 batch=20 replicas_equal=True serial_diff=(\S+)", stdout)
+    assert done is not None and float(done.group(1)) < 1e-5, context
 
 
 def test_discovery_output_and_failures_are_checked(tmp_path: Path) -> None:

@@ -145,14 +145,15 @@ def check_groups(groups: Any, num_groups: int) -> None:
 
 
 #: ``hvd.elastic`` on the MPI backend: relaunched by ``plait run --elastic``.
-_RELAUNCH_ELASTIC = {"plait.collectives.horovod_elastic_torch": "plait.adapters.torch_elastic"}
+_RELAUNCH_ELASTIC = {"plait.collectives.horovod_elastic_torch": "plait.adapters.torch_elastic",
+                     "plait.collectives.horovod_elastic_tf": "plait.adapters.keras_elastic"}
 
 
 def elastic_attribute(face: str, module: str) -> Callable[[str], Any]:
     """A module ``__getattr__`` giving a face Horovod's ``hvd.elastic``, imported on first use
     (it needs horovod; ``import plait.torch`` must not import it). On the MPI backend (or
-    before ``init`` in a job started by ``plait run --elastic``) torch gets
-    :mod:`plait.adapters.torch_elastic` instead.
+    before ``init`` in a job started by ``plait run --elastic``) the faces get
+    :mod:`plait.adapters.torch_elastic` / :mod:`plait.adapters.keras_elastic` instead.
 
     Args:
         face: the face module's name (for the error).
