@@ -52,7 +52,7 @@ class TFOps:
         return isinstance(unwrap(x), (tf.Tensor, tf.Variable))
 
     def dtype_name(self, x: Any) -> str:
-        dt = tf.as_dtype(unwrap(x).dtype)
+        dt = tf.as_dtype(unwrap(x).dtype).base_dtype  # a TF1 RefVariable's is float32_ref
         try:
             return _TO_NAME[dt]
         except KeyError:

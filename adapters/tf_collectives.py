@@ -18,8 +18,8 @@ from plait.protocols import Communicator
 
 from .tensorflow import OPS, unwrap
 
-__all__ = ["allgather_backward", "alltoall", "differentiable", "differentiable_group",
-           "fused_allreduce", "is_sparse", "sparse_allreduce", "to_dense"]
+__all__ = ["allgather_backward", "alltoall", "check_sparse", "differentiable",
+           "differentiable_group", "fused_allreduce", "is_sparse", "sparse_allreduce", "to_dense"]
 
 
 def fused_allreduce(comm: Communicator, tensors: Sequence[Any], op: str,
@@ -153,18 +153,36 @@ def is_sparse(tensor: Any) -> bool:
     return isinstance(tensor, tf.IndexedSlices)
 
 
+def check_sparse(op: str, prescale_factor: float = 1.0, postscale_factor: float = 1.0) -> None:
+    """Refuse what Horovod refuses for ``tf.IndexedSlices``: an op other than sum or
+    average, and pre/postscaling.
+
+    Args:
+        op: the reduction.
+        prescale_factor: the factor applied before the reduction.
+        postscale_factor: the factor applied after it.
+
+    Raises:
+        NotImplementedError: for any of those (Horovod's error), before any communication.
+    """
+    if op not in ("sum", "average"):
+        raise NotImplementedError(f"allreduce of tf.IndexedSlices supports op 'sum' or 'average' "
+                                  f"only, not op={op!r} (as Horovod)")
+    if prescale_factor != 1.0 or postscale_factor != 1.0:
+        raise NotImplementedError(
+            "allreduce of tf.IndexedSlices does not support prescale_factor/postscale_factor "
+            f"(got {prescale_factor!r}, {postscale_factor!r}; as Horovod)")
+
+
 def sparse_allreduce(comm: Communicator, tensor: tf.IndexedSlices, op: str,
                      name: str | None = None) -> tf.IndexedSlices:
     """Horovod's allreduce of ``tf.IndexedSlices``: allgather the values and the indices
     (the sum of the slices; divided by the ranks for an average).
 
     Raises:
-        ConfigError: for an op other than "sum" or "average" (Horovod allows only those).
+        NotImplementedError: for an op other than "sum" or "average" (as Horovod).
     """
-    from plait.errors import invalid
-
-    if op not in ("sum", "average"):
-        raise invalid("op", op, "'sum' or 'average' for tf.IndexedSlices (sparse gradients)")
+    check_sparse(op)
     values = comm.allgather(tensor.values, None if name is None else f"{name}.values")
     indices = comm.allgather(tensor.indices, None if name is None else f"{name}.indices")
     if op == "average":

@@ -105,8 +105,29 @@ def process_set_included_op(process_set_id: int = 0, name: str | None = None) ->
 
 def broadcast_(variables: Sequence[Any], root_rank: int, name: str | None = None,
                process_set: Any = None) -> list[Any]:
-    """Assign ``root_rank``'s values to ``variables`` in place; return the new values."""
+    """Assign ``root_rank``'s values to ``variables`` in place (Horovod's ``broadcast_``).
+
+    Eagerly the assignment is done when this returns; inside a graph (TF1 graph mode,
+    also with ``RefVariable``) the returned tensors are the assignments: running one
+    assigns its variable, as Horovod's in-place op does.
+
+    Args:
+        variables: ``tf.Variable`` (resource or TF1 ref) or Keras 3 variables.
+        root_rank: the rank whose values are kept.
+        name: base name of the broadcasts inside a graph (``{name}.{i}``), or None.
+        process_set: the process set (default: all ranks).
+
+    Returns:
+        The new values, one per variable.
+    """
+    from plait.adapters.tensorflow import unwrap
+
     variables = list(variables)
+    if not _executing_eagerly():
+        return [v.assign(broadcast(unwrap(v), root_rank,
+                                   None if name is None else f"{name}.{i}",
+                                   process_set=process_set))
+                for i, v in enumerate(variables)]
     broadcast_variables(variables, root_rank, process_set)
     return [v.value() if callable(getattr(v, "value", None)) else v.value for v in variables]
 
@@ -122,14 +143,20 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
               process_set: Any = None) -> Any:
     """Reduce ``tensor`` over ranks (Horovod's signature; device arguments are ignored).
 
+    A ``tf.IndexedSlices`` (a sparse gradient) is reduced as Horovod reduces it: its
+    values and indices are allgathered (divided by the ranks for an average).
+
     Raises:
         ConfigError: when an operation of the same ``name`` is still in flight.
+        NotImplementedError: for ``tf.IndexedSlices`` with an op other than Sum or
+            Average, or with pre/postscaling (as Horovod).
     """
     from plait.adapters import tf_collectives as tc
 
     claim_name(name)
     comm, how = _F.comm(process_set), resolve_op(average, op)
     if tc.is_sparse(tensor):
+        tc.check_sparse(how, prescale_factor, postscale_factor)
         return tc.sparse_allreduce(comm, tensor, how, name)
 
     def run(t: Any, label: str | None) -> Any:
@@ -237,10 +264,14 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
     ignored): one fused collective per dtype, eagerly and inside graphs (one host op).
 
     With a compressor other than ``Compression.none`` each tensor is reduced (and
-    compressed) on its own, as :func:`allreduce` does.
+    compressed) on its own, as :func:`allreduce` does. ``tf.IndexedSlices`` in the list
+    are reduced as :func:`allreduce` reduces them (allgathered values and indices) and
+    come back as ``tf.IndexedSlices``, in their places.
 
     Raises:
         ConfigError: when an operation of the same ``name`` is still in flight.
+        NotImplementedError: with ``tf.IndexedSlices`` in the list and an op other than
+            Sum or Average, or pre/postscaling (as Horovod).
     """
     from plait.adapters import tf_collectives as tc
     from plait.adapters.tf_collectives import fused_allreduce
@@ -250,18 +281,32 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
     claim_name(name)
     tensors, how = list(tensors), resolve_op(average, op)
     comm = _F.comm(process_set)
+    sparse = [i for i, t in enumerate(tensors) if tc.is_sparse(t)]
+    if sparse:
+        tc.check_sparse(how, prescale_factor, postscale_factor)
+    dense = [i for i in range(len(tensors)) if i not in sparse]
+    out: list[Any] = [None] * len(tensors)
+    for i in sparse:
+        out[i] = tc.sparse_allreduce(comm, tensors[i], how, None if name is None else f"{name}.{i}")
+    if not dense:
+        return out
     compressor = to_plait(compression)
     if compressor is not None and type(compressor).__name__ != "NoneCompressor":
-        return [reduce_tensor(comm, t, how, None if name is None else f"{name}.{i}", compression,
-                              prescale_factor, postscale_factor) for i, t in enumerate(tensors)]
+        for i in dense:
+            out[i] = reduce_tensor(comm, tensors[i], how, None if name is None else f"{name}.{i}",
+                                   compression, prescale_factor, postscale_factor)
+        return out
 
     def run(ts: list[Any], label: str | None) -> list[Any]:
         outs = fused_allreduce(comm, [scale(t, prescale_factor) for t in ts], how, label)
         return [keep_shape(t, scale(o, postscale_factor)) for t, o in zip(ts, outs)]
 
-    return tc.differentiable_group(lambda ts: run(ts, name),
-                                   lambda dys: run(dys, None if name is None else f"{name}/grad"),
-                                   tensors)
+    reduced = tc.differentiable_group(lambda ts: run(ts, name),
+                                      lambda dys: run(dys, None if name is None else f"{name}/grad"),
+                                      [tensors[i] for i in dense])
+    for i, r in zip(dense, reduced):
+        out[i] = r
+    return out
 
 
 def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: Any = None) -> None:

@@ -332,3 +332,69 @@ def test_keras_broadcast_global_variables_in_a_session_as_horovod():
             hk.broadcast_global_variables(hvd.size() - 1)
         assert sess.run(v) == float(hvd.size())
         sess.close()
+
+
+def _slices(rank: int) -> tf.IndexedSlices:
+    """Rows ``rank`` and ``rank + 1`` of a sparse gradient, values ``rank + 1``."""
+    return tf.IndexedSlices(tf.fill([2, 3], float(rank + 1)), tf.constant([rank, rank + 1]))
+
+
+def _dense(s: tf.IndexedSlices, rows: int) -> np.ndarray:
+    return tf.math.unsorted_segment_sum(s.values, s.indices, rows).numpy()
+
+
+def _sparse_reference(rows: int, average: bool) -> np.ndarray:
+    """The sum (or mean) over ranks of every rank's :func:`_slices`, as a dense array."""
+    ref = np.zeros([rows, 3], np.float32)
+    for r in range(hvd.size()):
+        ref[[r, r + 1]] += r + 1
+    return ref / hvd.size() if average else ref
+
+
+def test_grouped_allreduce_reduces_indexed_slices_in_their_places():
+    """Horovod's grouped_allreduce takes tf.IndexedSlices among dense tensors: each comes
+    back as tf.IndexedSlices (allgathered values and indices), in its place."""
+    rows, r = hvd.size() + 1, hvd.rank()
+    for op, average in ((hvd.Sum, False), (hvd.Average, True)):
+        out = hvd.grouped_allreduce([_slices(r), tf.fill([2], float(r)), _slices(r)], op=op)
+        assert [type(o) for o in out][::2] == [tf.IndexedSlices, tf.IndexedSlices]
+        for s in (out[0], out[2]):
+            _close(_dense(s, rows), _sparse_reference(rows, average))
+        dense = sum(range(hvd.size())) / (hvd.size() if average else 1)
+        _close(out[1], [dense, dense])
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_indexed_slices_refuse_other_ops_and_scaling_as_horovod(grouped):
+    """Min/Max/Product/Adasum and pre/postscaling of tf.IndexedSlices raise
+    NotImplementedError (Horovod's error) on every rank, before any communication."""
+    def call(**kw: object) -> object:
+        s = _slices(hvd.rank())
+        return hvd.grouped_allreduce([s, tf.ones([2])], **kw) if grouped else hvd.allreduce(s, **kw)
+
+    for kw in ({"op": hvd.Min}, {"op": hvd.Max}, {"op": hvd.Product}, {"op": hvd.Adasum},
+               {"op": hvd.Sum, "prescale_factor": 0.5}, {"op": hvd.Sum, "postscale_factor": 2.0}):
+        with pytest.raises(NotImplementedError):
+            call(**kw)
+    _close(hvd.allreduce(tf.ones([1]), op=hvd.Sum), [hvd.size()])  # still in step
+
+
+def test_inplace_broadcast_in_a_tf1_graph_assigns_ref_and_resource_variables():
+    """hvd.broadcast_ in TF1 graph mode: the returned tensors assign root's values to the
+    variables when run, also TF1 RefVariables (dtype uint8_ref) and bool."""
+    from tensorflow.python.ops.ref_variable import RefVariable
+
+    r, root = hvd.rank(), hvd.size() - 1
+    with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+        ref = RefVariable(tf.cast(tf.fill([3], r), tf.uint8))
+        res = tf.compat.v1.Variable(tf.fill([2, 2], float(r)), use_resource=True)
+        flag = tf.compat.v1.Variable(tf.fill([2], r % 2 == 1), use_resource=True)
+        sess.run(tf.compat.v1.global_variables_initializer())
+        out = hvd.broadcast_([ref, res, flag], root)
+        assert [o.dtype.base_dtype for o in out] == [tf.uint8, tf.float32, tf.bool]
+        got = sess.run(out)
+        for value, var in zip(got, (ref, res, flag)):
+            np.testing.assert_array_equal(value, sess.run(var))
+        np.testing.assert_array_equal(got[0], [root] * 3)
+        _close(got[1], np.full([2, 2], root))
+        np.testing.assert_array_equal(got[2], [root % 2 == 1] * 2)
