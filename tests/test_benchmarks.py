@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -172,8 +173,15 @@ def test_async_dp_benchmark_has_every_row(tmp_path: Path) -> None:
     assert rows[0]["speedup_vs_sync"] == 1.0
 
 
-def test_pipeline_benchmark_has_every_row(tmp_path: Path) -> None:
-    data = _run("pipeline.py", tmp_path / "pipe")
+@pytest.fixture(scope="module")
+def pipeline_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """One ``pipeline.py --smoke`` run for the two tests that read it: (results dir, data)."""
+    results = tmp_path_factory.mktemp("results")
+    return results, _run("pipeline.py", results / "pipeline")
+
+
+def test_pipeline_benchmark_has_every_row(pipeline_results: tuple[Path, dict[str, Any]]) -> None:
+    data = pipeline_results[1]
     got = {(r["schedule"], r["microbatches"]) for r in data["rows"]}
     # --smoke: M in (1, 4); interleaved (2 chunks per rank) needs M a multiple of the 2 stages
     assert got == {("gpipe", 1), ("gpipe", 4), ("1f1b", 1), ("1f1b", 4), ("interleaved", 4)}
@@ -195,12 +203,12 @@ def test_tensor_benchmark_has_every_row(tmp_path: Path) -> None:
     assert tp["comm_bytes_per_step"] == tp["analytic_bytes_per_step"] > 0
 
 
-def test_run_all_report_only_writes_a_report_elsewhere(tmp_path: Path) -> None:
+def test_run_all_report_only_writes_a_report_elsewhere(
+        tmp_path: Path, pipeline_results: tuple[Path, dict[str, Any]]) -> None:
     """``run_all.py --report-only --results DIR --report PATH`` on results made here (the
     pipeline's, which has a plot): the report names the machine, versions, the section and
     the plot, and nothing under benchmarks/ changes."""
-    results = tmp_path / "results"
-    _run("pipeline.py", results / "pipeline")
+    results = pipeline_results[0]
     before = _snapshot()
     report = tmp_path / "REPORT.md"
     began = time.monotonic()
@@ -215,7 +223,8 @@ def test_run_all_report_only_writes_a_report_elsewhere(tmp_path: Path) -> None:
         assert heading in text, text
     assert HEADERS["pipeline"] in text, text
     assert (results / "pipeline_bubble.png").stat().st_size > 0
-    assert "](results/pipeline_bubble.png)" in text, text  # relative to the report
+    link = os.path.relpath(results / "pipeline_bubble.png", report.parent)
+    assert f"]({link})" in text, text  # relative to the report
     for name in ("allreduce", "dp_step", "compression", "async_dp", "tensor"):
         assert f"## {name}\n" not in text  # only what the results folder holds
     assert _snapshot() == before
