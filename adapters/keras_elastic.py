@@ -34,7 +34,8 @@ class TensorFlowState(State):
     Args:
         variables: the ``tf.Variable`` objects (eager TensorFlow 2).
         session: Horovod's TF1 session argument; only None (eager) is supported.
-        **kwargs: plain attributes (``epoch=0``, ``batch=0``), exposed as attributes.
+        **kwargs: plain attributes (``epoch=0``, ``batch=0``), exposed as attributes, and
+            ``state=``: plait state objects by name (see :class:`~plait.elastic_relaunch.State`).
 
     Raises:
         NotImplementedError: for a TF1 ``session``.
@@ -81,7 +82,8 @@ class KerasState(TensorFlowState):
     Args:
         model: a built Keras model.
         optimizer: its optimizer (default: ``model.optimizer``).
-        **kwargs: plain attributes (``epoch=0``, ``batch=0``), exposed as attributes.
+        **kwargs: plain attributes (``epoch=0``, ``batch=0``), exposed as attributes, and
+            ``state=``: plait state objects by name (see :class:`~plait.elastic_relaunch.State`).
 
     Raises:
         ConfigError: when the model is not built yet.

@@ -23,7 +23,8 @@ class TorchState(State):
     Args:
         model: a ``torch.nn.Module`` (or None).
         optimizer: a ``torch.optim.Optimizer``, plait's ``DistributedOptimizer`` too (or None).
-        **kwargs: plain attributes (``epoch=0``, ``batch=0``), exposed as attributes.
+        **kwargs: plain attributes (``epoch=0``, ``batch=0``), exposed as attributes, and
+            ``state=``: plait state objects by name (see :class:`~plait.elastic_relaunch.State`).
     """
 
     def __init__(self, model: torch.nn.Module | None = None, optimizer: Any = None,

@@ -25,14 +25,16 @@ and host changes never happen.
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import socket
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from plait import runtime
+from plait.checkpoint.state import Stateful, as_stateful
 from plait.errors import PlaitError, invalid
 from plait.launch.elastic import EXIT_RELAUNCH
 
@@ -74,15 +76,18 @@ class State:
     """Horovod's elastic state: commit, restore, sync and reset callbacks, persisted for a
     relaunch.
 
-    Subclasses implement :meth:`snapshot` and :meth:`load_snapshot` (everything the
-    state holds as picklable objects); this class keeps plain attributes
-    (``State(epoch=0, batch=0)`` gives ``state.epoch``, ``state.batch``).
+    Subclasses extend :meth:`snapshot` and :meth:`load_snapshot` (everything the state
+    holds, as picklable copies); this class keeps plain attributes (``State(epoch=0,
+    batch=0)`` gives ``state.epoch``, ``state.batch``) and plait state objects.
 
     Args:
+        state: plait state objects by name (``state_dict()``/``load_state_dict()``, or
+            residual memories), committed, restored and synchronised with the rest.
         **kwargs: plain attributes, committed and restored with the rest.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
+    def __init__(self, state: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
+        self._objects: dict[str, Stateful] = {k: as_stateful(v, k) for k, v in (state or {}).items()}
         self._attrs = list(kwargs)
         for name, value in kwargs.items():
             setattr(self, name, value)
@@ -96,18 +101,21 @@ class State:
         """Everything to commit, as picklable objects (copies, not views).
 
         Returns:
-            The plain attributes; subclasses add theirs.
+            The plain attributes and plait state objects; subclasses add theirs.
         """
-        return {"attrs": {name: getattr(self, name) for name in self._attrs}}
+        return copy.deepcopy({"attrs": {name: getattr(self, name) for name in self._attrs},
+                              "objects": {k: dict(s.state_dict()) for k, s in self._objects.items()}})
 
     def load_snapshot(self, snap: dict[str, Any]) -> None:
-        """Take the state back from :meth:`snapshot`'s result.
+        """Take the state back from :meth:`snapshot`'s result (the caller passes a copy).
 
         Args:
             snap: a snapshot.
         """
         for name, value in snap["attrs"].items():
             setattr(self, name, value)
+        for name, value in snap["objects"].items():
+            self._objects[name].load_state_dict(value)
 
     # -- Horovod's State API ------------------------------------------------------------
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
@@ -125,11 +133,11 @@ class State:
 
     def save(self) -> None:
         """Remember the state in memory (the last commit)."""
-        self._saved = pickle.loads(pickle.dumps(self.snapshot()))
+        self._saved = self.snapshot()
 
     def restore(self) -> None:
         """Go back to the last commit."""
-        self.load_snapshot(pickle.loads(pickle.dumps(self._saved)))
+        self.load_snapshot(copy.deepcopy(self._saved))  # loading may keep the tensors it gets
 
     def sync(self, root_rank: int = 0) -> None:
         """Make every rank hold ``root_rank``'s state.
