@@ -6,7 +6,8 @@ Usage::
               [--launcher mpirun|horovodrun] [--backend mpi|horovod|auto]
               [--network-interface IF] [--timeout S] [--oversubscribe]
               [-x VAR]... [--mca KEY VALUE]... [--timeline FILE] [--dry-run]
-              [--restarts R [--restart-backoff S] [--exclude-after K]] -- COMMAND...
+              [--restarts R [--restart-backoff S] [--exclude-after K]]
+              [--elastic --min-np N --max-np M --host-discovery-script CMD] -- COMMAND...
 
 The launcher runs in its own process group; SIGINT and SIGTERM sent to
 ``plait run`` are forwarded to that group. With ``--timeout`` the whole group
@@ -27,6 +28,10 @@ applying to each attempt) is relaunched up to R times with exponential back-off;
 with hosts, failing or unreachable hosts are excluded first and the job runs on
 the rest (see :mod:`plait.launch.restart`). Each attempt gets ``PLAIT_RESTART``
 (0, 1, ...) in its environment.
+
+With ``--elastic`` the job follows a host discovery script and is started again
+on the new hosts after a change or a failure, resuming from the last elastic
+commit (MPI backend; see :mod:`plait.launch.elastic`).
 """
 
 from __future__ import annotations
