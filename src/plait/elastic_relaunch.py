@@ -55,21 +55,16 @@ class HostsUpdatedInterrupt(PlaitError):
         self.skip_sync = skip_sync
 
 
-def _ask_launcher(commits: int) -> int | None:
-    """The host generation from ``plait run`` (None outside an elastic job or unreachable)."""
-    addr = os.environ.get("PLAIT_ELASTIC_ADDR")
-    if not addr:
-        return None
+def _ask_launcher(addr: str, commits: int) -> int | str:
+    """The host generation from ``plait run`` at ``addr``, or why it could not be had."""
     host, _, port = addr.rpartition(":")
     try:
         with socket.create_connection((host, int(port)), timeout=10) as s:
             s.sendall(f"commit {commits}\n".encode())
             answer = s.makefile().readline().strip()
     except (OSError, ValueError) as exc:
-        print(f"plait elastic: could not reach plait run at {addr} ({exc}); hosts assumed unchanged",
-              file=sys.stderr, flush=True)
-        return None
-    return int(answer) if answer.isdigit() else None
+        return str(exc)
+    return int(answer) if answer.isdigit() else f"unexpected answer {answer!r}"
 
 
 class State:
@@ -93,6 +88,7 @@ class State:
             setattr(self, name, value)
         self._callbacks: list[Callable[[], None]] = []
         self._commits = 0
+        self._unreachable = False
         self._saved: Any = None
         self.save()
 
@@ -168,14 +164,20 @@ class State:
         Raises:
             HostsUpdatedInterrupt: the hosts changed since this job started.
         """
-        if "PLAIT_ELASTIC_ADDR" not in os.environ:
+        addr = os.environ.get("PLAIT_ELASTIC_ADDR")
+        if not addr:
             return
         world = runtime.world()
         changed = False
         if world.rank == 0:
-            generation = _ask_launcher(self._commits)
-            changed = generation is not None and generation != int(
-                os.environ.get("PLAIT_ELASTIC_GENERATION", "0"))
+            generation = _ask_launcher(addr, self._commits)
+            if isinstance(generation, str):
+                if not self._unreachable:  # said once: the job goes on with its hosts
+                    print(f"plait elastic: could not ask plait run at {addr} ({generation}); "
+                          "host changes are not seen", file=sys.stderr, flush=True)
+                self._unreachable = True
+            else:
+                changed = generation != int(os.environ.get("PLAIT_ELASTIC_GENERATION", "0"))
         if world.broadcast_object(changed, 0):
             raise HostsUpdatedInterrupt()
 
@@ -192,10 +194,8 @@ class State:
             return
         os.makedirs(os.path.dirname(path), exist_ok=True)
         tmp = f"{path}.{os.getpid()}.tmp"
-        with open(tmp, "wb") as f:
-            pickle.dump({"commits": self._commits, "state": self._saved}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        with open(tmp, "wb") as f:  # no fsync: a killed process's writes survive; a lost host's
+            pickle.dump({"commits": self._commits, "state": self._saved}, f)  # are lost anyway
         os.replace(tmp, path)
 
     def resume(self) -> bool:
