@@ -192,3 +192,13 @@ def test_elastic_policy_from_options() -> None:
                                "--max-np", "4", "--reset-limit", "3"))
     assert got == ElasticPolicy("d", 1, 4, reset_limit=3)
     assert elastic_policy(_args()) is None
+
+
+def test_ranks_with_other_versions_are_named() -> None:
+    from plait.elastic_relaunch import mismatched, versions
+
+    assert versions().startswith("plait ")
+    assert mismatched(["a", "a", "b"]) == ("a", [2])
+    assert mismatched(["b", "a", "a"]) == ("a", [0])
+    assert mismatched(["a", "b"]) == ("a", [1])  # a tie: rank 0's versions are the job's
+    assert mismatched(["a"]) == ("a", [])

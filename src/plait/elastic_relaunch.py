@@ -35,10 +35,10 @@ from typing import Any
 
 from plait import runtime
 from plait.checkpoint.state import Stateful, as_stateful
-from plait.errors import PlaitError, invalid
+from plait.errors import ConfigError, PlaitError, invalid
 from plait.launch.elastic import EXIT_RELAUNCH
 
-__all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "run"]
+__all__ = ["HostsUpdatedInterrupt", "ObjectState", "State", "mismatched", "run", "versions"]
 
 _FILE = "commit-{host}.pkl"
 
@@ -203,6 +203,11 @@ class State:
 
         Returns:
             True when a commit was restored (then every rank holds it).
+
+        Raises:
+            ConfigError: on every rank, when some ranks run other plait, torch, TensorFlow
+                or Keras versions than most (those ranks also name their host for
+                ``plait run``, which leaves it out of the next start).
         """
         world = runtime.world()
         path = self._path()
@@ -210,7 +215,15 @@ class State:
         if path is not None and os.path.exists(path):
             with open(path, "rb") as f:
                 mine = pickle.load(f)
-        counts = world.allgather_object(-1 if mine is None else int(mine["commits"]))
+        every = world.allgather_object((-1 if mine is None else int(mine["commits"]), versions()))
+        common, odd = mismatched([v for _, v in every])
+        if odd:
+            if world.rank in odd:  # plait run leaves this host out of the next start
+                print(f"plait: rank {world.rank} on host {socket.gethostname()} failed: it runs "
+                      f"{every[world.rank][1]}, the job {common}", file=sys.stderr, flush=True)
+            raise ConfigError(f"ranks {odd} run other versions than the job ({common}): "
+                              f"{', '.join(f'rank {r}: {every[r][1]}' for r in odd)}")
+        counts = [c for c, _ in every]
         best = max(counts)
         if best < 0:
             return False
@@ -220,6 +233,28 @@ class State:
         self._commits = best
         self.sync(root)
         return True
+
+
+def versions() -> str:
+    """plait's version and those of the frameworks this process imported (joiners must match)."""
+    import plait
+
+    names = ("torch", "tensorflow", "keras")
+    found = [f"{n} {getattr(sys.modules[n], '__version__', '?')}" for n in names if n in sys.modules]
+    return ", ".join([f"plait {plait.__version__}", *found])
+
+
+def mismatched(every: list[str]) -> tuple[str, list[int]]:
+    """The versions most ranks run, and the ranks that run others.
+
+    Args:
+        every: each rank's :func:`versions`.
+
+    Returns:
+        ``(common, odd ranks)``; on a tie the lowest rank's versions are the common ones.
+    """
+    common = max(every, key=lambda v: (every.count(v), -every.index(v)))
+    return common, [r for r, v in enumerate(every) if v != common]
 
 
 class ObjectState(State):
