@@ -113,6 +113,10 @@ class State:
         for name, value in snap["objects"].items():
             self._objects[name].load_state_dict(value)
 
+    def gather(self) -> None:
+        """Combine what every rank holds before a commit or sync (a collective; here nothing:
+        framework states may override it)."""
+
     # -- Horovod's State API ------------------------------------------------------------
     def register_reset_callbacks(self, callbacks: Iterable[Callable[[], None]]) -> None:
         """Functions called after the world changed (here: after a relaunch restored a commit).
@@ -142,6 +146,7 @@ class State:
             root_rank: the rank whose state every rank takes.
         """
         world = runtime.world()
+        self.gather()
         if world.size > 1:
             self.load_snapshot(world.broadcast_object(self.snapshot() if world.rank == root_rank
                                                       else None, root_rank))
@@ -154,6 +159,7 @@ class State:
             HostsUpdatedInterrupt: on every rank, when the job's hosts changed.
         """
         self._commits += 1
+        self.gather()
         self.save()
         self._persist()
         self.check_host_updates()

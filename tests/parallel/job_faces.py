@@ -779,6 +779,21 @@ def test_torch_state_syncs_restores_commits_and_resumes(tmp_path, monkeypatch):
     for p, k in zip(fresh.parameters(), kept):
         assert torch.equal(p, k)
     hvd.barrier()  # every rank has read the commit before rank 0's directory goes
+    # ElasticSampler: a commit records what every rank processed; a sync re-shards the rest
+    monkeypatch.delenv("PLAIT_ELASTIC_DIR")
+    sampler = hvd.elastic.ElasticSampler(list(range(11)), shuffle=True, seed=3)
+    ours = list(sampler)
+    every = hvd.allgather_object(ours)
+    assert sorted(set().union(*every)) == list(range(11)) and len(sampler) == len(ours)
+    with_sampler = hvd.elastic.TorchState(model, opt, train_sampler=sampler, batch=0)
+    assert with_sampler.train_sampler is sampler and "train_sampler" not in with_sampler._attrs
+    sampler.record_batch(0, 2)
+    with_sampler.commit()
+    done = set().union(*(e[:2] for e in every))
+    assert sampler.processed_indices == done
+    with_sampler.sync()
+    left = set().union(*hvd.allgather_object(list(sampler)))
+    assert left == set(range(11)) - done
 
 
 def test_tf_face_errors_util_and_global_variables_as_horovod():
