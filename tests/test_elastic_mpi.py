@@ -202,3 +202,71 @@ def test_ranks_with_other_versions_are_named() -> None:
     assert mismatched(["b", "a", "a"]) == ("a", [0])
     assert mismatched(["a", "b"]) == ("a", [1])  # a tie: rank 0's versions are the job's
     assert mismatched(["a"]) == ("a", [])
+
+
+def _supervise(tmp_path: Path, hosts: list[str], codes: list[int], **policy: Any) -> tuple[int, list[str]]:
+    """``run_elastic`` with a runner that returns ``codes`` one start after another (the
+    discovery script prints the lines of a file that ``hosts[k]`` replaces at start k)."""
+    from plait.launch.command import LaunchSpec
+    from plait.launch.elastic import run_elastic
+
+    listed = tmp_path / "hosts"
+    listed.write_text(hosts[0])
+    started: list[str] = []
+
+    def run(cmd: Any, timeout: Any, capture: list[str], signals: list[int]) -> int:
+        started.append(cmd.argv[cmd.argv.index("-H") + 1])
+        if len(started) < len(hosts):
+            listed.write_text(hosts[len(started)])
+        return codes[len(started) - 1]
+
+    rc = run_elastic(LaunchSpec(command=("true",)),
+                     ElasticPolicy(f"cat {listed}", 1, 4, interval=0.05, **policy), {}, False, run)
+    return rc, started
+
+
+def test_supervisor_relaunches_on_the_hosts_discovery_gives(tmp_path: Path) -> None:
+    from plait.launch.elastic import EXIT_RELAUNCH
+
+    rc, started = _supervise(tmp_path, ["a:2\nb:2\n", "a:2\n", "a:1\nc:9\n"], [EXIT_RELAUNCH, 1, 0])
+    assert rc == 0 and started == ["a:2,b:2", "a:2", "a:1,c:3"]  # capped at --max-np 4
+
+
+def test_supervisor_gives_up_after_failed_starts_without_a_commit(tmp_path: Path) -> None:
+    rc, started = _supervise(tmp_path, ["a:1\n"] * 5, [7] * 5, max_failures=3)
+    assert rc == 7 and len(started) == 3
+
+
+def test_supervisor_fails_at_once_on_a_broken_script_and_waits_for_min_np(tmp_path: Path) -> None:
+    from plait.launch.command import LaunchSpec
+    from plait.launch.elastic import run_elastic
+
+    rc = run_elastic(LaunchSpec(command=("true",)), ElasticPolicy("exit 3", 1, 2), {}, False,
+                     lambda *a, **k: 0)
+    assert rc == 1  # before any start: an error at once
+    rc, started = _supervise(tmp_path, [""], [0], elastic_timeout=0.3)
+    assert rc == 1 and started == []  # nothing discovered within --elastic-timeout
+
+
+def test_supervisor_retries_a_script_that_fails_after_the_first_start(tmp_path: Path) -> None:
+    from plait.launch.command import LaunchSpec
+    from plait.launch.elastic import EXIT_RELAUNCH, run_elastic
+
+    state = tmp_path / "state"
+    state.write_text("a:1\n")
+    script = tmp_path / "discover.sh"
+    script.write_text(f'#!/bin/sh\nif [ "$(cat {state})" = fail ]; then echo b:1 > {state}; exit 3; fi\n'
+                      f"cat {state}\n")
+    script.chmod(0o755)
+    started: list[str] = []
+
+    def run(cmd: Any, timeout: Any, capture: list[str], signals: list[int]) -> int:
+        started.append(cmd.argv[cmd.argv.index("-H") + 1])
+        if len(started) == 1:
+            state.write_text("fail")  # the next discovery fails once
+            return EXIT_RELAUNCH
+        return 0
+
+    rc = run_elastic(LaunchSpec(command=("true",)), ElasticPolicy(str(script), 1, 2, interval=0.05),
+                     {}, False, run)
+    assert rc == 0 and started == ["a:1", "b:1"]

@@ -198,13 +198,27 @@ def _say(text: str) -> None:
     print(f"{_PROG}: {text}", file=sys.stderr, flush=True)
 
 
-def _wait_for_hosts(policy: ElasticPolicy, left_out: list[str]) -> list[HostSlots] | None:
-    """Discovered hosts with at least ``min_np`` slots, or None after ``elastic_timeout``."""
+def _wait_for_hosts(policy: ElasticPolicy, left_out: list[str], first: bool) -> list[HostSlots] | None:
+    """Discovered hosts with at least ``min_np`` slots, or None after ``elastic_timeout``.
+
+    Raises:
+        ConfigError: when discovery fails before the first start (later failures are
+            retried until ``elastic_timeout``, as a script may fail for a moment).
+    """
     deadline = time.monotonic() + policy.elastic_timeout
     said = False
     while True:
-        plan = plan_hosts(discover(policy.discovery_script, policy.discovery_timeout), left_out,
-                          policy.max_np)
+        try:
+            found = discover(policy.discovery_script, policy.discovery_timeout)
+        except ConfigError as exc:
+            if first or time.monotonic() >= deadline:
+                raise
+            if not said:
+                _say(f"host discovery failed, retrying for up to {policy.elastic_timeout:g}s: {exc}")
+                said = True
+            time.sleep(policy.interval)
+            continue
+        plan = plan_hosts(found, left_out, policy.max_np)
         if total_slots(plan) < policy.min_np and left_out:
             left_out.clear()  # too few without them: give the blamed hosts another chance
             continue
@@ -229,7 +243,7 @@ def _watch(policy: ElasticPolicy, running: list[HostSlots], left_out: Sequence[s
         except ConfigError as exc:
             _say(f"host discovery failed, keeping the current hosts: {exc}")
             continue
-        if plan != running and total_slots(plan) >= policy.min_np:
+        if set(plan) != set(running) and total_slots(plan) >= policy.min_np:
             _say(f"hosts changed to {','.join(f'{h.host}:{h.slots}' for h in plan)}; the job "
                  "stops at its next commit and starts again on them")
             notifier.bump()
@@ -260,7 +274,7 @@ def run_elastic(spec: LaunchSpec, policy: ElasticPolicy, env: Mapping[str, str],
     try:
         while True:
             try:
-                hosts = _wait_for_hosts(policy, left_out)
+                hosts = _wait_for_hosts(policy, left_out, first=relaunches == 0)
             except ConfigError as exc:
                 _say(f"error: {exc}")
                 return 1
