@@ -181,6 +181,8 @@ def _args(*argv: str) -> argparse.Namespace:
      r"--max-np=2: expected an integer >= --min-np \(3\)"),
     (["--elastic", "--host-discovery-script", "d", "--min-np", "1", "--max-np", "2", "--restarts", "1"],
      "drop --restarts"),
+    (["--elastic", "--host-discovery-script", "d", "--min-np", "1", "--max-np", "2", "-H", "a:2"],
+     "takes its hosts from --host-discovery-script: drop -H"),
 ])
 def test_elastic_options_are_checked(argv: list[str], match: str) -> None:
     with pytest.raises(ConfigError, match=match):

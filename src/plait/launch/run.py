@@ -267,6 +267,9 @@ def elastic_policy(args: argparse.Namespace) -> ElasticPolicy | None:
                if getattr(args, f) is None]
     if missing:
         raise ConfigError(f"--elastic needs {', '.join(missing)}")
+    if args.hosts is not None or args.hostfile is not None:
+        raise ConfigError("--elastic takes its hosts from --host-discovery-script: drop "
+                          + ("-H" if args.hosts is not None else "--hostfile"))
     if args.launcher != "mpirun" or args.restarts:
         raise ConfigError("--elastic runs through mpirun and restarts by itself: drop "
                           + ("--launcher horovodrun (use horovodrun's own --host-discovery-script)"
