@@ -9,6 +9,7 @@ This module imports horovod (only ``collectives/`` may).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -47,9 +48,24 @@ class TorchState(_HorovodTorchState):  # type: ignore[misc]
         super().save()
 
     def restore(self) -> None:
-        """Roll back to the last commit (after a worker failed)."""
+        """Roll back to the last commit (after a worker failed).
+
+        Horovod's optimizer handler loads its saved state dict itself, and torch's
+        ``load_state_dict`` keeps tensors of the right dtype and device as given: the
+        optimizer's buffers would then be the commit's own, and the steps after this
+        restore would change the commit (a second restore before the next commit would
+        not roll back). Each restore here loads a copy.
+        """
         self._plait.restore()
-        super().restore()
+        kept = {name: h._saved_optimizer_state for name, h in self._handlers.items()
+                if hasattr(h, "_saved_optimizer_state")}
+        for name, saved in kept.items():
+            self._handlers[name]._saved_optimizer_state = copy.deepcopy(saved)
+        try:
+            super().restore()
+        finally:
+            for name, saved in kept.items():
+                self._handlers[name]._saved_optimizer_state = saved
 
     def sync(self) -> None:
         """Make every worker (new ones too) hold rank 0's state."""
