@@ -6,6 +6,7 @@ Also :func:`DistributedSampler`-style sharding and the data-parallel optimizer.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
@@ -33,7 +34,7 @@ from ._face import (
 from ._face import _claim as claim_name
 from ._face_compression import Compression, Compressor
 from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
-from .errors import HorovodInternalError
+from .errors import HorovodInternalError, invalid
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer",
@@ -316,6 +317,42 @@ def broadcast_optimizer_state(optimizer: Any, root_rank: int = 0, process_set: A
     torch_optim.broadcast_optimizer_state(optimizer, comm, root)
 
 
+def _checked_names(optimizer: Any, named_parameters: Iterable[tuple[str, Any]] | None
+                   ) -> list[tuple[str, Any]] | None:
+    """Horovod's checks of ``named_parameters``, made before anything else (they need no
+    ``hvd.init()``, as in Horovod).
+
+    Args:
+        optimizer: the local optimizer.
+        named_parameters: ``model.named_parameters()`` or None.
+
+    Returns:
+        The pairs as a list (an iterator is read once), or None.
+
+    Raises:
+        ConfigError: (a ``ValueError``) for an item that is not a ``(name, parameter)``
+            pair, a name given twice, or a parameter that needs a gradient and has no name.
+    """
+    if named_parameters is None:
+        return None
+    named = list(named_parameters)
+    for item in named:
+        if not isinstance(item, tuple) or len(item) != 2:
+            raise invalid("named_parameters", item, "(name, parameter) pairs, as "
+                          "model.named_parameters() gives")
+    dups = sorted(n for n, count in Counter(n for n, _ in named).items() if count > 1)
+    if dups:
+        raise invalid("named_parameters", f"duplicate names {dups}", "unique names (two modules "
+                      "chained? prefix their names, e.g. model.named_parameters() of a parent)")
+    ids = {id(p) for _, p in named}
+    unnamed = [p for g in optimizer.param_groups for p in g["params"]
+               if p.requires_grad and id(p) not in ids]
+    if unnamed:
+        raise invalid("named_parameters", f"{len(unnamed)} optimizer parameters without a name",
+                      "model.named_parameters() of the model whose parameters the optimizer has")
+    return named
+
+
 def DistributedOptimizer(  # noqa: N802 - Horovod's name
     optimizer: Any,
     named_parameters: Iterable[tuple[str, Any]] | None = None,
@@ -357,12 +394,14 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         The distributed optimizer (a subclass of ``type(optimizer)``).
 
     Raises:
-        ConfigError: for bad passes, factor or groups, or a memory without a compressor.
+        ConfigError: for bad passes, factor or groups, a memory without a compressor, or
+            bad ``named_parameters`` (checked first: no ``hvd.init()`` needed, as in Horovod).
     """
+    named = _checked_names(optimizer, named_parameters)
     check_groups(groups, num_groups)
     compressor, memory = gradient_compression(compression, memory)
     return torch_optim.distributed_optimizer(
-        optimizer, _F.comm(process_set), named_parameters, compression=compressor, memory=memory,
+        optimizer, _F.comm(process_set), named, compression=compressor, memory=memory,
         backward_passes_per_step=backward_passes_per_step, op=op, bucket_mb=bucket_mb,
         gradient_predivide_factor=gradient_predivide_factor)
 

@@ -200,3 +200,32 @@ def test_sparse_allreduce_size_mismatch_fails_on_every_rank():
     with pytest.raises(MismatchError, match="differ in size"):
         hvd.sparse_allreduce_async(t).wait()
     hvd.barrier()
+
+
+def test_distributed_optimizer_checks_named_parameters_before_any_communication(monkeypatch):
+    # Horovod checks named_parameters in the optimizer's constructor, before any
+    # collective: its ValueError comes even without hvd.init(). Here the communicator
+    # lookup fails loudly, so only the early check can give the ValueError.
+    def no_comm(process_set=None):
+        raise AssertionError("DistributedOptimizer looked up a communicator before its checks")
+
+    monkeypatch.setattr(hvd._F, "comm", no_comm)
+    a, b = torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(list(a.parameters()) + list(b.parameters()), lr=0.1)
+    chained = iter(list(a.named_parameters()) + list(b.named_parameters()))  # read once
+    with pytest.raises(ValueError, match=r"duplicate names \['bias', 'weight'\]"):
+        hvd.DistributedOptimizer(opt, named_parameters=chained)
+    with pytest.raises(ValueError, match="optimizer parameters without a name"):
+        hvd.DistributedOptimizer(opt, named_parameters=list(a.named_parameters()))
+    with pytest.raises(ValueError, match=r"\(name, parameter\) pairs"):
+        hvd.DistributedOptimizer(opt, named_parameters=[p for p in a.parameters()])
+    monkeypatch.undo()
+    # a generator of unique names is read once and works
+    model = torch.nn.Sequential(a, b)
+    hvd.broadcast_parameters(model.state_dict(), root_rank=0)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    dist = hvd.DistributedOptimizer(opt, named_parameters=(kv for kv in model.named_parameters()))
+    model(torch.full((1, 2), float(hvd.rank()))).sum().backward()
+    dist.step()
+    gathered = hvd.allgather(torch.cat([p.detach().reshape(-1) for p in model.parameters()])[None])
+    torch.testing.assert_close(gathered[0], gathered[-1])
