@@ -23,9 +23,29 @@ from plait.errors import invalid
 
 __all__ = [
     "CommitStateCallback", "HostsUpdatedInterrupt", "KerasState", "ObjectState", "State",
+    "check_state_arguments",
     "TensorFlowKerasState", "TensorFlowState", "UpdateBatchStateCallback",
     "UpdateEpochStateCallback", "run",
 ]
+
+
+def check_state_arguments(variables: Any, session: Any) -> list[Any]:
+    """Horovod's ``TensorFlowState(variables, session)`` arguments, as plait takes them.
+
+    Returns:
+        The variables as a list.
+
+    Raises:
+        NotImplementedError: for a TF1 ``session``.
+        ConfigError: without variables.
+    """
+    if session is not None:
+        raise NotImplementedError("TensorFlowState(session=...): plait's elastic mode runs "
+                                  "eager TensorFlow 2 (Horovod's TF1 session path is gone)")
+    if variables is None:
+        raise invalid("variables", None, "a list of tf.Variable (TF2 has no global "
+                      "variable collection)")
+    return list(variables)
 
 
 class TensorFlowState(State):
@@ -43,13 +63,7 @@ class TensorFlowState(State):
     """
 
     def __init__(self, variables: Any = None, session: Any = None, **kwargs: Any) -> None:
-        if session is not None:
-            raise NotImplementedError("TensorFlowState(session=...): plait's elastic mode runs "
-                                      "eager TensorFlow 2 (Horovod's TF1 session path is gone)")
-        if variables is None:
-            raise invalid("variables", None, "a list of tf.Variable (TF2 has no global "
-                          "variable collection)")
-        self.variables = list(variables)
+        self.variables = check_state_arguments(variables, session)
         super().__init__(**kwargs)
 
     def _variables(self) -> list[Any]:

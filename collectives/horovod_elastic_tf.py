@@ -26,6 +26,7 @@ from plait.adapters.keras_callbacks import (
     UpdateBatchStateCallback,
     UpdateEpochStateCallback,
 )
+from plait.adapters.keras_elastic import check_state_arguments
 
 from plait.errors import invalid
 
@@ -79,13 +80,7 @@ class TensorFlowState(ObjectState):  # type: ignore[misc]
 
     def __init__(self, variables: Any = None, session: Any = None,
                  state: Mapping[str, Any] | None = None, **kwargs: Any) -> None:
-        if session is not None:
-            raise NotImplementedError("TensorFlowState(session=...): plait's elastic mode runs "
-                                      "eager TensorFlow 2 (Horovod's TF1 session path is gone)")
-        if variables is None:
-            raise invalid("variables", None, "a list of tf.Variable (TF2 has no global "
-                          "variable collection)")
-        self.variables = list(variables)
+        self.variables = check_state_arguments(variables, session)
         self._plait = PlaitObjects(state)
         self._saved_values: list[np.ndarray] = []
         self._save_variables()

@@ -56,6 +56,47 @@ def _until(cond: Callable[[], bool], proc: subprocess.Popen[Any], what: str, lim
         time.sleep(0.1)
 
 
+def elastic_job(tmp_path: Path, job: str, hosts_text: str, extra: dict[str, str],
+                *args: str) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of ``plait run --elastic`` for tests/parallel/``job``; the
+    discovery script prints ``tmp_path/hosts`` (starting as ``hosts_text``), commits go to
+    ``tmp_path/commits`` and the ranks' pids to ``tmp_path/pids``."""
+    (tmp_path / "hosts").write_text(hosts_text)
+    script = tmp_path / "discover.sh"
+    script.write_text(f"#!/bin/sh\ncat {tmp_path / 'hosts'}\n")
+    script.chmod(0o755)
+    (tmp_path / "pids").mkdir()
+    env = mpi_env({"EL_SLEEP": "0.2", "EL_PIDS": str(tmp_path / "pids"),
+                   "PLAIT_ELASTIC_DIR": str(tmp_path / "commits"), **extra})
+    argv = [sys.executable, "-m", "plait.launch.run", "--elastic", "--min-np", "1", "--max-np", "2",
+            "--host-discovery-script", str(script), "--discovery-interval", "0.5", "--timeout", "200",
+            *args, *[a for k in env if k.startswith("EL_") for a in ("-x", k)], "--",
+            sys.executable, str(JOB.parent / job)]
+    return argv, env
+
+
+def drive(tmp_path: Path, start: Callable[..., subprocess.Popen[Any]],
+          steer: Callable[[subprocess.Popen[Any]], None]) -> tuple[int, str, str]:
+    """Start the job (``start(stdout=, stderr=)``), ``steer`` it, wait for its end (killing
+    it if it outlives the test); returns (status, stdout, stderr)."""
+    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
+        proc = start(stdout=out, stderr=err)
+        try:
+            steer(proc)
+            proc.wait(timeout=200)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return int(proc.returncode), out.read(), err.read()
+
+
+def _starts(stdout: str) -> list[tuple[int, int]]:
+    return [(int(s), int(b)) for s, b in re.findall(r"EL start rank=0 size=(\d) batch=(\d+)", stdout)]
+
+
 @pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
 @pytest.mark.timeout(300)
 def test_killed_worker_then_added_host_resume_from_the_last_commit(
@@ -64,44 +105,30 @@ def test_killed_worker_then_added_host_resume_from_the_last_commit(
     job goes on with 1 rank from the last commit); a third host is added (2 ranks again)."""
     hosts = emulated_hosts(3, slots=1)
     h0, h1, h2 = hosts.hosts
-    listed = tmp_path / "hosts"
-    listed.write_text(f"{h0}:1\n{h1}:1\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {listed}\n")
-    script.chmod(0o755)
-    commits, pids = tmp_path / "commits", tmp_path / "pids"
-    pids.mkdir()
-    env = mpi_env({"EL_STEPS": str(STEPS), "EL_SLEEP": "0.2", "EL_OUT": str(tmp_path / "w.npy"),
-                   "EL_PIDS": str(pids), "PLAIT_ELASTIC_DIR": str(commits), "PLAIT_TIMEOUT": "20"})
+    argv, env = elastic_job(tmp_path, "job_elastic_mpi.py", f"{h0}:1\n{h1}:1\n",
+                            {"EL_STEPS": str(STEPS), "EL_OUT": str(tmp_path / "w.npy"),
+                             "PLAIT_TIMEOUT": "20"}, *hosts.mpirun_args())
     env["PATH"] = f"{hosts.bin_dir}:{env['PATH']}"
-    argv = [sys.executable, "-m", "plait.launch.run", "--elastic", "--min-np", "1", "--max-np", "2",
-            "--host-discovery-script", str(script), "--discovery-interval", "0.5",
-            "--timeout", "150", *hosts.mpirun_args(),
-            *[a for k in env if k.startswith("EL_") for a in ("-x", k)], "--", sys.executable, str(JOB)]
-    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
-        proc = hosts.popen(h0, argv, env=env, stdout=out, stderr=err, cwd=str(ROOT))
-        try:
-            _until(lambda: _commits(commits) >= 4, proc, "4 commits")
-            killed_at = _commits(commits)
-            listed.write_text(f"{h0}:1\n")
-            os.kill(int((pids / "pid-1-0").read_text()), signal.SIGKILL)
-            _until(lambda: (pids / "pid-0-1").exists() and _commits(commits) >= killed_at + 3, proc,
-                   "3 commits after the relaunch")
-            listed.write_text(f"{h0}:1\n{h2}:1\n")
-            proc.wait(timeout=200)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
+    commits, pids, listed = tmp_path / "commits", tmp_path / "pids", tmp_path / "hosts"
+    seen: list[int] = []
+
+    def steer(proc: subprocess.Popen[Any]) -> None:
+        _until(lambda: _commits(commits) >= 4, proc, "4 commits")
+        seen.append(_commits(commits))
+        listed.write_text(f"{h0}:1\n")
+        os.kill(int((pids / "pid-1-0").read_text()), signal.SIGKILL)
+        _until(lambda: (pids / "pid-0-1").exists() and _commits(commits) >= seen[0] + 3, proc,
+               "3 commits after the relaunch")
+        listed.write_text(f"{h0}:1\n{h2}:1\n")
+
+    status, stdout, stderr = drive(tmp_path, lambda **kw: hosts.popen(h0, argv, env=env, cwd=str(ROOT),
+                                                                      **kw), steer)
     context = f"{stderr[-4000:]}\n{stdout[-3000:]}"
-    assert proc.returncode == 0, context
-    starts = [(int(s), int(b)) for s, b in re.findall(r"EL start rank=0 size=(\d) batch=(\d+)", stdout)]
+    assert status == 0, context
+    starts = _starts(stdout)
     assert [s for s, _ in starts] == [2, 1, 2], context
     # each start resumed from a commit at least as new as the one seen before its change
-    assert starts[0][1] == 0 and killed_at <= starts[1][1] < STEPS, context
+    assert starts[0][1] == 0 and seen[0] <= starts[1][1] < STEPS, context
     assert starts[2][1] >= starts[1][1] + 3, context
     assert f"starting 2 ranks on {h0}:1,{h2}:1" in stderr, context
     done = re.findall(r"EL done rank=\d size=2 batch=(\d+) replicas_equal=(True|False)", stdout)
@@ -118,36 +145,18 @@ def test_killed_worker_then_added_host_resume_from_the_last_commit(
 def test_keras_loop_follows_a_host_that_shrinks(tmp_path: Path) -> None:
     """Keras 3 custom loop on one machine: discovery goes from 2 slots to 1; the job stops at
     a commit, starts again on 1 rank from it and ends with a one-process run's weights."""
-    listed = tmp_path / "hosts"
-    listed.write_text("localhost:2\n")
-    script = tmp_path / "discover.sh"
-    script.write_text(f"#!/bin/sh\ncat {listed}\n")
-    script.chmod(0o755)
-    commits, pids = tmp_path / "commits", tmp_path / "pids"
-    pids.mkdir()
-    env = mpi_env({"EL_STEPS": "20", "EL_SLEEP": "0.2", "EL_PIDS": str(pids),
-                   "PLAIT_ELASTIC_DIR": str(commits), "PLAIT_TIMEOUT": "60"})
-    argv = [sys.executable, "-m", "plait.launch.run", "--elastic", "--min-np", "1", "--max-np", "2",
-            "--host-discovery-script", str(script), "--discovery-interval", "0.5", "--timeout", "200",
-            *[a for k in env if k.startswith("EL_") for a in ("-x", k)], "--", sys.executable,
-            str(JOB.parent / "job_elastic_keras_mpi.py")]
-    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
-        proc = subprocess.Popen(argv, env=env, stdout=out, stderr=err, cwd=str(ROOT),
-                                start_new_session=True)
-        try:
-            _until(lambda: _commits(commits) >= 3, proc, "3 commits", limit=200)
-            listed.write_text("localhost:1\n")
-            proc.wait(timeout=200)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
+    argv, env = elastic_job(tmp_path, "job_elastic_keras_mpi.py", "localhost:2\n",
+                            {"EL_STEPS": "20", "PLAIT_TIMEOUT": "60"})
+
+    def steer(proc: subprocess.Popen[Any]) -> None:
+        _until(lambda: _commits(tmp_path / "commits") >= 3, proc, "3 commits", limit=200)
+        (tmp_path / "hosts").write_text("localhost:1\n")
+
+    status, stdout, stderr = drive(tmp_path, lambda **kw: subprocess.Popen(
+        argv, env=env, cwd=str(ROOT), start_new_session=True, **kw), steer)
     context = f"{stderr[-4000:]}\n{stdout[-3000:]}"
-    assert proc.returncode == 0, context
-    starts = [(int(s), int(b)) for s, b in re.findall(r"EL start rank=0 size=(\d) batch=(\d+)", stdout)]
+    assert status == 0, context
+    starts = _starts(stdout)
     assert [s for s, _ in starts] == [2, 1] and starts[1][1] >= 3, context
     done = re.search(r"EL done rank=0 size=1 batch=20 replicas_equal=True serial_diff=(\S+)", stdout)
     assert done is not None and float(done.group(1)) < 1e-5, context
