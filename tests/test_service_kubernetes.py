@@ -161,7 +161,8 @@ class FakeAPI(ThreadingHTTPServer):
 
     ``pods``: the items of every PodList it returns; ``logs``: pod name -> log text; ``fail``: (method,
     path) -> (HTTP status, reason) answered with a ``Status`` instead; ``nodes``: the items of the
-    NodeList; ``resources``: ``GROUP/VERSION`` -> the plurals its discovery document lists (others: 404);
+    NodeList; ``others``: other workloads' pods, listed with ``pods`` for every namespace;
+    ``resources``: ``GROUP/VERSION`` -> the plurals its discovery document lists (others: 404);
     ``objects``: path -> custom object (kept from its POST, dropped by its DELETE; a test sets its
     ``status``); ``follow``: pod name -> log chunks sent one by one to a ``follow=true`` log request.
     """
@@ -175,6 +176,7 @@ class FakeAPI(ThreadingHTTPServer):
         self.logs: dict[str, str] = {}
         self.fail: dict[tuple[str, str], tuple[int, str]] = {}
         self.nodes: list[dict[str, Any]] = []
+        self.others: list[dict[str, Any]] = []
         self.resources: dict[str, list[str]] = {}
         self.objects: dict[str, dict[str, Any]] = {}
         self.follow: dict[str, list[str]] = {}
@@ -246,6 +248,9 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.command == "DELETE":
             self._send(200, {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Success",
                              "details": {"name": name}})
+        elif self.command == "GET" and url.path == "/api/v1/pods":  # every namespace's
+            self._send(200, {"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "7"},
+                             "items": pods + list(self.server.others)})
         elif self.command == "GET" and url.path.endswith("/pods"):
             key, _, value = record["query"].get("labelSelector", ["="])[0].partition("=")
             items = [p for p in pods if p["metadata"]["labels"].get(key) == value]

@@ -68,7 +68,7 @@ def test_capacity_is_read_from_the_nodes(api: Api) -> None:
     server.nodes = NODES
     backend = _backend(kubeconfig, slots=None)  # type: ignore[arg-type]
     assert backend.capacity == 4 + 2 + 16 and backend.free_slots() == 22
-    assert [(r["method"], r["path"]) for r in server.requests] == [("GET", "/api/v1/nodes")]
+    assert server.calls() == [("GET", "/api/v1/nodes")]  # and every namespace's pods
     assert _backend(kubeconfig, slots=None, slot=("nvidia.com/gpu", "1")).capacity == 2  # type: ignore[arg-type]
     assert _backend(kubeconfig, slots=None, slot="cpu=500m").capacity == 8 + 2 + 32  # type: ignore[arg-type]
     requests = len(server.requests)
@@ -90,6 +90,33 @@ def test_capacity_is_read_from_the_nodes(api: Api) -> None:
     server.fail[("GET", "/api/v1/nodes")] = (403, "Forbidden")
     with pytest.raises(ConfigError, match="listing nodes failed.*RBAC"):
         _backend(kubeconfig, slots=None)  # type: ignore[arg-type]
+
+
+def _other(node: str | None, cpu: str, phase: str = "Running",
+           labels: dict[str, str] | None = None) -> dict[str, Any]:
+    """Another workload's pod asking for ``cpu``."""
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"other-{node}-{cpu}", "namespace": "team", "labels": labels or {}},
+            "spec": {"nodeName": node, "containers": [
+                {"name": "c", "image": "x", "resources": {"requests": {"cpu": cpu}}}]},
+            "status": {"phase": phase}}
+
+
+def test_other_workloads_pods_take_slots_and_jobs_wait_for_them(api: Api) -> None:
+    server, kubeconfig = api
+    server.nodes = NODES
+    server.others = [_other("a", "2500m"), _other("b", "100m"), _other("gpu", "16"),
+                     _other("a", "4", phase="Succeeded"), _other(None, "8"),  # ended; not bound
+                     _other("a", "4", labels={"plait.dev/job": "j"})]  # plait's own: the service's slots
+    backend = _backend(kubeconfig, slots=None)  # type: ignore[arg-type]
+    # a: 4 - 2.5 CPUs -> 1; b: 3.7 CPUs but 2 - 1 pods -> 1; gpu: none left
+    assert backend.capacity == 22 and backend.free_slots() == 2
+    assert backend.allocate(_spec("torch", 3)) is None  # waits (the job is not larger than the cluster)
+    assert backend.allocate(_spec("torch", 2)) is not None and backend.free_slots() == 0
+    server.others = []
+    assert backend.refresh_capacity(force=True) == 22 and backend.free_slots() == 20
+    server.fail[("GET", "/api/v1/pods")] = (403, "Forbidden")  # no RBAC for every namespace's pods
+    assert backend.refresh_capacity(force=True) == 22 and backend.free_slots() == 20
 
 
 def test_capacity_arithmetic_and_bad_input() -> None:

@@ -190,6 +190,15 @@ class Cluster:
         """
         return list(self._call("listing", "nodes", self.core.list_node).items or [])
 
+    def all_pods(self) -> list[Any]:
+        """Every namespace's pods (``V1Pod``; needs a ClusterRole with ``pods: list``).
+
+        Raises:
+            ConfigError: if the API refuses.
+        """
+        return list(self._call("listing", "pods in every namespace",
+                               self.core.list_pod_for_all_namespaces).items or [])
+
     def pods(self, job_id: str) -> list[Any]:
         """The pods labelled ``plait.dev/job=JOB_ID`` (``V1Pod`` objects)."""
         pods = self._call("listing", f"pods {self.namespace}/{LABEL}={job_id}",

@@ -5,9 +5,10 @@ Pure functions (standard library only) over the ``V1Node`` objects the official 
 it is schedulable (not ``spec.unschedulable``), ``Ready`` and has no ``NoSchedule``/``NoExecute``
 taint; it holds ``min(allocatable[RESOURCE] // PER_PROCESS, allocatable pods)`` processes, where
 ``RESOURCE=PER_PROCESS`` is what each process asks for (default ``cpu=1``, the CPU request of the
-manifests; ``nvidia.com/gpu=1`` for one GPU per process). This is the node's whole allocatable
-capacity: what other workloads already requested is not subtracted, so a job admitted here may still
-wait for the Kubernetes scheduler.
+manifests; ``nvidia.com/gpu=1`` for one GPU per process). What other workloads' pods on a node
+request (``V1Pod`` objects from ``list_pod_for_all_namespaces``, not yet ended, not plait's own) is
+subtracted first, resource and pod count both (:func:`requested`); plait's own pods are the service's
+own slots. Other workloads started later can still make a job wait for the Kubernetes scheduler.
 """
 
 from __future__ import annotations
@@ -19,7 +20,11 @@ from typing import Any
 
 from plait.errors import invalid
 
-__all__ = ["DEFAULT_SLOT", "cluster_slots", "node_slots", "parse_quantity", "parse_slot", "scale_quantity"]
+__all__ = ["DEFAULT_SLOT", "OWN_LABEL", "cluster_slots", "node_slots", "parse_quantity", "parse_slot",
+           "requested", "scale_quantity"]
+
+#: The label plait's own pods carry (their slots are the service's, not another workload's).
+OWN_LABEL = "plait.dev/job"
 
 #: What one process asks for unless configured otherwise.
 DEFAULT_SLOT = ("cpu", "1")
@@ -86,9 +91,50 @@ def _ready(node: Any) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in status.conditions or [])
 
 
-def node_slots(node: Any, resource: str = DEFAULT_SLOT[0], per_process: str = DEFAULT_SLOT[1]) -> int:
+def requested(pods: Iterable[Any], resource: str) -> dict[str, tuple[Decimal, int]]:
+    """What other workloads hold on each node: node name -> (``resource`` requested, pods).
+
+    Counts pods bound to a node, not ended (phase other than Succeeded/Failed) and without
+    :data:`OWN_LABEL`; a pod's request is the sum of its containers' requests (a request that
+    is not a quantity counts as 0).
+
+    Args:
+        pods: ``V1Pod`` objects (any namespace).
+        resource: the resource a process asks for.
+
+    Returns:
+        The requests by node name (nodes without such pods are absent).
+    """
+    used: dict[str, tuple[Decimal, int]] = {}
+    for pod in pods:
+        node = getattr(pod.spec, "node_name", None) if pod.spec is not None else None
+        phase = getattr(pod.status, "phase", None) if pod.status is not None else None
+        labels = (pod.metadata.labels or {}) if pod.metadata is not None else {}
+        if not node or phase in ("Succeeded", "Failed") or OWN_LABEL in labels:
+            continue
+        amount = Decimal(0)
+        for container in pod.spec.containers or []:
+            wants = (container.resources.requests or {}) if container.resources is not None else {}
+            try:
+                amount += parse_quantity(wants.get(resource, "0"))
+            except ValueError:
+                continue
+        have, count = used.get(node, (Decimal(0), 0))
+        used[node] = (have + amount, count + 1)
+    return used
+
+
+def node_slots(node: Any, resource: str = DEFAULT_SLOT[0], per_process: str = DEFAULT_SLOT[1],
+               used: tuple[Decimal, int] = (Decimal(0), 0)) -> int:
     """Processes one node can hold: 0 if it is not schedulable and ready, else
-    ``min(allocatable[resource] // per_process, allocatable pods)`` (a node without the resource: 0).
+    ``min((allocatable[resource] - used) // per_process, allocatable pods - used pods)`` (a node
+    without the resource: 0).
+
+    Args:
+        node: a ``V1Node``.
+        resource: the resource a process asks for.
+        per_process: how much of it (a quantity > 0).
+        used: what other workloads hold there, (resource, pods) (see :func:`requested`).
 
     Raises:
         ConfigError: if ``per_process`` is not a quantity > 0.
@@ -104,10 +150,13 @@ def node_slots(node: Any, resource: str = DEFAULT_SLOT[0], per_process: str = DE
         pods = int(parse_quantity(allocatable.get("pods", "110")))
     except ValueError:
         return 0  # a value the node reports that is not a quantity: count nothing there
-    return max(0, min(int(have // each), pods))
+    return max(0, min(int((have - used[0]) // each), pods - used[1]))
 
 
 def cluster_slots(nodes: Iterable[Any], resource: str = DEFAULT_SLOT[0],
-                  per_process: str = DEFAULT_SLOT[1]) -> int:
-    """The sum of :func:`node_slots` over ``nodes`` (what the service may admit at most)."""
-    return sum(node_slots(n, resource, per_process) for n in nodes)
+                  per_process: str = DEFAULT_SLOT[1], pods: Iterable[Any] = ()) -> int:
+    """The sum of :func:`node_slots` over ``nodes`` (what the service may admit at most), less
+    what other workloads' ``pods`` request on each node."""
+    used = requested(pods, resource)
+    return sum(node_slots(n, resource, per_process, used.get(n.metadata.name, (Decimal(0), 0)))
+               for n in nodes)

@@ -315,7 +315,9 @@ class KubernetesBackend:
         self.cluster = Cluster(namespace, context=context, kubeconfig=kubeconfig)
         self.kinds = self._operator_kinds(operator)
         self._read_at = time.monotonic()
-        self._capacity = slots if slots is not None else self._cluster_capacity()
+        self._others = 0  # slots other workloads' pods hold now (read with the nodes)
+        self._said_pods = False
+        self._capacity, self._others = (slots, 0) if slots is not None else self._cluster_capacity()
 
     def _operator_kinds(self, operator: str) -> frozenset[str]:
         """The Kubeflow kinds jobs become (``kubeflow``: those served, at least one; ``auto``: those
@@ -334,14 +336,24 @@ class KubernetesBackend:
                           "tfjobs of kubeflow.org/v1 (install the Kubeflow training operator)")
         return served
 
-    def _cluster_capacity(self) -> int:
+    def _cluster_capacity(self) -> tuple[int, int]:
+        """(slots of the schedulable, ready nodes; of those, slots other workloads' pods hold)."""
         resource, amount = self.slot
-        slots = cluster_slots(self.cluster.nodes(), resource, amount)
+        nodes = self.cluster.nodes()
+        slots = cluster_slots(nodes, resource, amount)
         if slots < 1:
             raise ConfigError(f"the cluster's schedulable, ready nodes hold no process asking for "
                               f"{resource}={amount} (give the capacity with --slots N, or another "
                               f"--slot-resource)")
-        return slots
+        try:
+            free = cluster_slots(nodes, resource, amount, self.cluster.all_pods())
+        except ConfigError as exc:
+            if not self._said_pods:  # e.g. no RBAC to list pods in every namespace
+                print(f"plait serve: kubernetes capacity: {exc}; other workloads' pods are not "
+                      "counted", flush=True)
+                self._said_pods = True
+            free = slots
+        return slots, slots - free
 
     def refresh_capacity(self, force: bool = False) -> int:
         """Re-read the capacity from the nodes (``slots=None`` only; at most every ``capacity_refresh_s``
@@ -355,12 +367,12 @@ class KubernetesBackend:
             return self._capacity
         self._read_at = now
         try:
-            capacity = self._cluster_capacity()
+            capacity, others = self._cluster_capacity()
         except ConfigError as exc:
             print(f"plait serve: kubernetes capacity: {exc}; keeping {self._capacity} slots", flush=True)
             return self._capacity
         with self._lock:
-            self._capacity = capacity
+            self._capacity, self._others = capacity, others
         return capacity
 
     @property
@@ -369,17 +381,17 @@ class KubernetesBackend:
         return self.refresh_capacity()
 
     def free_slots(self) -> int:
-        """Slots not taken by this service's running jobs."""
+        """Slots neither this service's running jobs nor other workloads' pods take."""
         with self._lock:
-            return self._capacity - self._used
+            return max(0, self._capacity - self._others - self._used)
 
     def allocate(self, spec: JobSpec) -> list[str] | None:
         """Take ``spec``'s slots (the capacity re-read first when due, also when a job is submitted);
         the workers are its pods' names."""
         self.refresh_capacity()
         with self._lock:
-            if self._used + spec.world_size > self._capacity:
-                return None
+            if self._used + self._others + spec.world_size > self._capacity:
+                return None  # queued: other workloads may end
             self._used += spec.world_size
         return [f"pod {i}" for i in range(spec.instances)]
 
