@@ -9,6 +9,8 @@ No cluster runs here: submitting to a live cluster is not part of these tests.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import subprocess
 import sys
@@ -187,10 +189,12 @@ class FakeAPI(ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
     def calls(self, method: str | None = None) -> list[tuple[str, str]]:
-        """(method, path) of the requests so far, but the pod listings."""
+        """(method, path) of the requests so far, but the pod listings and the progress reads
+        (the tail of rank 0's log)."""
         with self.lock:
             return [(r["method"], r["path"]) for r in self.requests
-                    if (method is None or r["method"] == method) and not r["path"].endswith("/pods")]
+                    if (method is None or r["method"] == method) and not r["path"].endswith("/pods")
+                    and "tailLines" not in r["query"]]
 
 
 def _status(code: int, reason: str, message: str) -> dict[str, Any]:
@@ -417,11 +421,43 @@ def test_succeeded_pods_succeed_and_the_poll_interval_limits_calls(api: tuple[Fa
     server.pods = [_pod(1, "Succeeded", 0), _pod(0, "Running")]
     backend.poll_s = 3600.0
     listings = len(server.requests)
-    assert not launched.poll() and len(server.requests) == listings + 1
+    assert not launched.poll() and len(server.requests) == listings + 2  # the pods; rank 0's progress
     server.pods[1] = _pod(0, "Succeeded", 0)
-    assert not launched.poll() and len(server.requests) == listings + 1  # within poll_s: the last answer
+    assert not launched.poll() and len(server.requests) == listings + 2  # within poll_s: the last answer
     backend.poll_s = 0.0
     assert launched.poll() and launched.exit_codes() == {0: 0, 1: 0}
+
+
+def test_progress_reports_come_from_rank_zeros_log(api: tuple[FakeAPI, str], tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pod's rank 0 prints its ``plait.progress.report`` (``PLAIT_PROGRESS_FILE=-``); each poll
+    appends the reports not seen yet to the job's progress file, which the service reads."""
+    from plait.progress import report
+
+    server, kubeconfig = api
+    backend = _backend(kubeconfig)
+    job = render(JOB, _spec("torch", 2), image="x", code_dir=str(CODE))
+    env = {e["name"]: e.get("value") for o in job if o["kind"] == "Job"
+           for e in o["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["PLAIT_PROGRESS_FILE"] == "-"
+    monkeypatch.setenv("PLAIT_PROGRESS_FILE", "-")
+    lines = []
+    for step in (1, 2):
+        with contextlib.redirect_stdout(io.StringIO()) as out:
+            assert report(step=step, loss=1.0 / step)
+        lines.append(out.getvalue())
+    monkeypatch.setenv("RANK", "1")
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert not report(step=3) and out.getvalue() == ""  # not rank 0
+    launched = backend.launch(JOB, _spec("torch", 2), [], {}, str(tmp_path), [])
+    backend.poll_s = 0.0
+    server.pods = [_pod(0, "Running"), _pod(1, "Running")]
+    server.logs = {server.pods[0]["metadata"]["name"]: "hello\n" + lines[0]}
+    assert not launched.poll()
+    server.logs = {server.pods[0]["metadata"]["name"]: "hello\n" + lines[0] + "epoch done\n" + lines[1]}
+    assert not launched.poll()
+    got = [json.loads(line) for line in (tmp_path / "progress.jsonl").read_text().splitlines()]
+    assert [(g["step"], g["loss"]) for g in got] == [(1, 1.0), (2, 0.5)]  # each once
 
 
 def test_mpijob_status_is_its_launcher_pod(api: tuple[FakeAPI, str], tmp_path: Path) -> None:

@@ -14,10 +14,15 @@ import numpy as np
 
 from .protocols import Communicator
 
-__all__ = ["PROGRESS_FILE_ENV", "average_metrics", "log", "progress", "report"]
+__all__ = ["PROGRESS_FILE_ENV", "PROGRESS_LINE", "average_metrics", "log", "progress", "report"]
 
-#: The variable naming the file :func:`report` appends to (set by ``plait serve`` on rank 0).
+#: The variable naming the file :func:`report` appends to (set by ``plait serve`` on rank 0);
+#: ``-`` writes each report to stdout instead, after :data:`PROGRESS_LINE` (Kubernetes pods,
+#: whose log the service reads).
 PROGRESS_FILE_ENV = "PLAIT_PROGRESS_FILE"
+#: What starts a progress report written to stdout.
+PROGRESS_LINE = "plait-progress: "
+_RANK_VARS = ("RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK")
 
 T = TypeVar("T")
 
@@ -52,7 +57,8 @@ def report(step: int | None = None, epoch: int | None = None, loss: float | None
     """Report training progress to the service that runs this job (a no-op elsewhere).
 
     ``plait serve`` sets ``PLAIT_PROGRESS_FILE`` on rank 0 only, so every rank can call
-    this; the job's status then shows the last step, epoch, loss and metrics, and
+    this (in Kubernetes pods it is ``-``: the report goes to stdout, which the service
+    reads from rank 0's pod); the job's status then shows the last step, epoch, loss and metrics, and
     ``artifact`` (the saved model's path) once rank 0 reports it.
 
     Args:
@@ -77,6 +83,12 @@ def report(step: int | None = None, epoch: int | None = None, loss: float | None
         entry["loss"] = float(loss)
     if artifact is not None:
         entry["artifact"] = str(artifact)
+    if path == "-":
+        if any(os.environ.get(v, "0") != "0" for v in _RANK_VARS):
+            return False  # a launcher that gives every rank the variable: rank 0 reports
+        sys.stdout.write(PROGRESS_LINE + json.dumps(entry) + "\n")
+        sys.stdout.flush()
+        return True
     with open(path, "a") as f:
         f.write(json.dumps(entry) + "\n")
     return True

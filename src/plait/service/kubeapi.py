@@ -205,10 +205,11 @@ class Cluster:
                           self.core.list_namespaced_pod, self.namespace, label_selector=f"{LABEL}={job_id}")
         return list(pods.items or [])
 
-    def log(self, pod: str) -> str:
-        """A pod's log (its first container)."""
+    def log(self, pod: str, tail: int | None = None) -> str:
+        """A pod's log (its first container); with ``tail``, its last ``tail`` lines."""
+        extra: dict[str, Any] = {} if tail is None else {"tail_lines": tail}
         return str(self._call("reading the log of", f"pod {self.namespace}/{pod}",
-                              self.core.read_namespaced_pod_log, pod, self.namespace))
+                              self.core.read_namespaced_pod_log, pod, self.namespace, **extra))
 
     def follow_log(self, pod: str, follow: bool = True) -> Iterator[bytes]:
         """A pod's log (its first container) in chunks: with ``follow``, as it is written, until the

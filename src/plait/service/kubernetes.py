@@ -183,6 +183,7 @@ def render(
         "PLAIT_JOB_ID": job_id, "PLAIT_JOB_NAME": spec.name, "PLAIT_DATASET": spec.dataset,
         "PLAIT_PARAMETERS": json.dumps(spec.parameters, sort_keys=True), INSTANCES_KEY: str(spec.instances),
         "PLAIT_OUTPUT_DIR": _OUTPUT, "PYTHONUNBUFFERED": "1",
+        "PLAIT_PROGRESS_FILE": "-",  # reports go to rank 0's log, which the service reads
     }
     resources = _resources(spec.processes_per_worker, slot)
     output = {"name": "output", "mountPath": _OUTPUT}

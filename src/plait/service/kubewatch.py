@@ -7,22 +7,27 @@ Kubernetes); it makes its API calls through its backend's :class:`~plait.service
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from plait.errors import ConfigError
+from plait.progress import PROGRESS_LINE
 from plait.service.bootstrap import log_path
 from plait.service.kubeflow import CRDS, job_state, replica_rank
 
 if TYPE_CHECKING:
     from plait.service.kubernetes import KubernetesBackend
 
-__all__ = ["INDEX_ANNOTATION", "KubeLaunched", "is_launcher", "pod_exit", "pod_index"]
+__all__ = ["INDEX_ANNOTATION", "PROGRESS_TAIL", "KubeLaunched", "is_launcher", "pod_exit", "pod_index"]
 
 #: The pod annotation holding its index in an indexed Job.
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
+#: Lines of rank 0's log read at each poll for progress reports.
+PROGRESS_TAIL = 200
 
 
 def pod_index(pod: Any) -> int | None:
@@ -95,6 +100,7 @@ class KubeLaunched:
     _seen: bool = False
     _last: float = float("-inf")
     _failing_since: float | None = None
+    _progress_at: float = float("-inf")
     message: str = ""
 
     @property
@@ -136,6 +142,7 @@ class KubeLaunched:
             self._cleanup([])
             return True
         self._failing_since = None
+        self._read_progress(pods)
         if self.mpi:
             self._poll_mpijob(pods)
         elif kind:
@@ -189,22 +196,48 @@ class KubeLaunched:
         self.backend.delete_objects(self.objects)
         self.backend.forget(self.job_id)
 
+    def _first_rank(self, pod: Any) -> int | None:
+        """The first rank whose output is in ``pod``'s log (None: no rank's)."""
+        if self.mpi:
+            return 0 if is_launcher(pod) else None  # mpirun forwards every rank's output there
+        if self.operator_kind:
+            return replica_rank(self.operator_kind, pod.metadata.labels)
+        index = pod_index(pod)
+        return None if index is None else index * self.per_worker
+
+    def _read_progress(self, pods: Sequence[Any]) -> None:
+        """Append the progress reports newer than those seen from rank 0's log (the last
+        ``PROGRESS_TAIL`` lines) to the job's ``progress.jsonl``, which the service reads."""
+        for pod in pods:
+            if self._first_rank(pod) != 0:
+                continue
+            try:
+                text = self.backend.cluster.log(pod.metadata.name, tail=PROGRESS_TAIL)
+            except ConfigError:
+                return  # not started yet
+            new = []
+            for line in text.splitlines():
+                start = line.find(PROGRESS_LINE)
+                if start < 0:
+                    continue
+                try:
+                    report = json.loads(line[start + len(PROGRESS_LINE):])
+                    when = float(report["time"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if when > self._progress_at:
+                    new.append(line[start + len(PROGRESS_LINE):])
+                    self._progress_at = when
+            if new:
+                with open(os.path.join(self.job_dir, "progress.jsonl"), "a") as f:
+                    f.write("".join(f"{entry}\n" for entry in new))
+            return
+
     def _save_logs(self, pods: Sequence[Any]) -> None:
         for pod in pods:
-            if self.mpi:
-                if not is_launcher(pod):
-                    continue
-                rank = 0  # mpirun forwards every rank's output to the launcher's log
-            elif self.operator_kind:
-                found = replica_rank(self.operator_kind, pod.metadata.labels)
-                if found is None:
-                    continue
-                rank = found
-            else:
-                index = pod_index(pod)
-                if index is None:
-                    continue
-                rank = index * self.per_worker
+            rank = self._first_rank(pod)
+            if rank is None:
+                continue
             try:
                 text = self.backend.cluster.log(pod.metadata.name)
             except ConfigError:
