@@ -26,6 +26,8 @@ from horovod.common.elastic import run_fn
 
 from plait.checkpoint.state import Stateful, as_stateful
 
+from .timeline import span
+
 __all__ = ["PlaitObjects", "elastic_run", "reset"]
 
 
@@ -70,11 +72,22 @@ def reset(hvd: Any, framework: str) -> None:
     from plait import runtime
 
     world = runtime.world() if runtime.is_initialized() else None
-    if world is not None and world.backend == "horovod" and getattr(world, "framework", None) == framework:
-        world.reset()  # type: ignore[attr-defined]
-    else:
-        hvd.shutdown()
-        hvd.init()
+    ours = world is not None and world.backend == "horovod" and getattr(world, "framework", None) == framework
+    with span("elastic reset", cat="elastic", **_membership(hvd, "old")) as mark:
+        if ours:
+            world.reset()  # type: ignore[union-attr]
+        else:
+            hvd.shutdown()
+            hvd.init()
+        mark.args.update(_membership(hvd, "new"))
+
+
+def _membership(hvd: Any, when: str) -> dict[str, int]:
+    """``{when_size, when_rank}`` for the timeline (nothing where Horovod cannot say)."""
+    try:
+        return {f"{when}_size": int(hvd.size()), f"{when}_rank": int(hvd.rank())}
+    except (ValueError, RuntimeError):
+        return {}
 
 
 def elastic_run(func: Callable[..., Any], hvd: Any, framework: str) -> Callable[..., Any]:

@@ -8,6 +8,7 @@ one-process run of the same steps (every committed step applied exactly once).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import pickle
 import re
@@ -107,7 +108,8 @@ def test_killed_worker_then_added_host_resume_from_the_last_commit(
     h0, h1, h2 = hosts.hosts
     argv, env = elastic_job(tmp_path, "job_elastic_mpi.py", f"{h0}:1\n{h1}:1\n",
                             {"EL_STEPS": str(STEPS), "EL_OUT": str(tmp_path / "w.npy"),
-                             "PLAIT_TIMEOUT": "20"}, *hosts.mpirun_args())
+                             "PLAIT_TIMEOUT": "20", "PLAIT_TIMELINE": str(tmp_path / "timeline.json")},
+                            *hosts.mpirun_args())
     env["PATH"] = f"{hosts.bin_dir}:{env['PATH']}"
     commits, pids, listed = tmp_path / "commits", tmp_path / "pids", tmp_path / "hosts"
     seen: list[int] = []
@@ -139,6 +141,11 @@ def test_killed_worker_then_added_host_resume_from_the_last_commit(
     finally:
         sys.path.pop(0)
     np.testing.assert_allclose(np.load(tmp_path / "w.npy"), serial(STEPS), rtol=1e-5, atol=1e-6)
+    # the last start's timeline marks where it resumed (each start writes the file anew)
+    events = json.loads((tmp_path / "timeline.json").read_text())
+    events = events["traceEvents"] if isinstance(events, dict) else events
+    marks = [e["args"] for e in events if e.get("name") == "elastic resume"]
+    assert {(m["size"], m["restart"], m["commit"]) for m in marks} == {(2, 2, starts[2][1])}, marks
 
 
 @pytest.mark.timeout(300)

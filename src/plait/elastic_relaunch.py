@@ -35,6 +35,7 @@ from typing import Any
 
 from plait import runtime
 from plait.checkpoint.state import Stateful, as_stateful
+from plait.collectives.timeline import span
 from plait.errors import ConfigError, PlaitError, invalid
 from plait.launch.elastic import EXIT_RELAUNCH
 
@@ -234,10 +235,12 @@ class State:
         if best < 0:
             return False
         root = counts.index(best)
-        if world.rank == root and mine is not None:
-            self.load_snapshot(mine["state"])
-        self._commits = best
-        self.sync(root)
+        with span("elastic resume", cat="elastic", commit=best, size=world.size,
+                  restart=int(os.environ.get("PLAIT_RESTART", "0")), from_rank=root):
+            if world.rank == root and mine is not None:
+                self.load_snapshot(mine["state"])
+            self._commits = best
+            self.sync(root)
         return True
 
 
