@@ -309,7 +309,7 @@ def run_elastic(spec: LaunchSpec, policy: ElasticPolicy, env: Mapping[str, str],
                 return rc
             if rc != EXIT_RELAUNCH:
                 blamed = blamed_hosts("".join(lines), rank_hosts(hosts, attempt.num_ranks))
-                left_out[:] = [h for h in blamed if h in {x.host for x in hosts}]
+                left_out += [h for h in blamed if h in {x.host for x in hosts} and h not in left_out]
                 failures = 0 if notifier.commits > commits_before else failures + 1
                 if failures >= policy.max_failures:
                     _say(f"error: {failures} starts in a row failed before their first commit "
