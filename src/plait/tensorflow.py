@@ -37,7 +37,7 @@ from ._process_sets import (
     included,
     remove_process_set,
 )
-from .errors import HorovodInternalError
+from .errors import HorovodInternalError, invalid
 from .parallel.data import DEFAULT_BUCKET_MB
 
 __all__ = [
@@ -65,7 +65,6 @@ cuda_built, rocm_built, ddl_built, is_homogeneous = (_F.cuda_built, _F.rocm_buil
                                                      _F.is_homogeneous)
 mpi_enabled, gloo_enabled = _F.mpi_enabled, _F.gloo_enabled
 join, start_timeline, stop_timeline = _F.join, _F.start_timeline, _F.stop_timeline
-grouped_allgather, grouped_reducescatter = _F.grouped_allgather, _F.grouped_reducescatter
 barrier = _F.barrier
 broadcast_object, allgather_object = _F.broadcast_object, _F.allgather_object
 
@@ -240,9 +239,12 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
     ranks for a sum, times the scale factors). ``compression`` has no effect.
 
     Raises:
-        ConfigError: for a bad op, or a ``name`` still in flight.
+        ConfigError: for a bad op, a 0-d ``tensor`` (nothing to scatter; Horovod refuses
+            it too), or a ``name`` still in flight.
     """
     from plait.adapters import tf_collectives as tc
+
+    _check_scatterable(tensor)
 
     def forward(t: Any) -> Any:
         return _F.reducescatter(t, name, op, process_set, prescale_factor, postscale_factor)
@@ -253,6 +255,72 @@ def reducescatter(tensor: Any, device_dense: str = "", compression: Any = Compre
         return _F.comm(process_set).allgather(g, None if name is None else f"{name}/grad")
 
     return tc.differentiable(forward, backward, tensor)
+
+
+def _check_scatterable(tensor: Any) -> None:
+    """Refuse a 0-d tensor for reducescatter (its first dimension is what is scattered)."""
+    from plait.adapters.tensorflow import unwrap
+
+    ndims = getattr(getattr(unwrap(tensor), "shape", None), "ndims", None)
+    if ndims == 0:
+        raise invalid("tensor", f"a 0-d tensor {tensor!r}",
+                      "a tensor of rank >= 1 (reducescatter splits its first dimension)")
+
+
+def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
+                      ignore_name_scope: bool = False, process_set: Any = None) -> list[Any]:
+    """:func:`allgather` of several tensors (Horovod's ``grouped_allgather``), each with
+    :func:`allgather`'s gradient, eagerly and inside graphs.
+
+    Raises:
+        ConfigError: when an operation of the same ``name`` is still in flight.
+    """
+    from plait.adapters import tf_collectives as tc
+
+    claim_name(name)
+    tensors, comm = list(tensors), _F.comm(process_set)
+    labels = [None if name is None else f"{name}.{i}" for i in range(len(tensors))]
+
+    def forward(ts: list[Any]) -> list[Any]:
+        return [comm.allgather(t, label) for t, label in zip(ts, labels)]
+
+    def backward(dys: list[Any]) -> list[Any]:
+        return [tc.allgather_backward(comm, t, label)(dy)
+                for t, label, dy in zip(tensors, labels, dys)]
+
+    return tc.differentiable_group(forward, backward, tensors)
+
+
+def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
+                          compression: Any = Compression.none, op: str = Average,
+                          process_set: Any = None, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0, name: str | None = None) -> list[Any]:
+    """:func:`reducescatter` of several tensors (Horovod's ``grouped_reducescatter``
+    signature, plus ``name``), each with :func:`reducescatter`'s gradient.
+
+    Raises:
+        ConfigError: for a bad op, a 0-d tensor, or a ``name`` still in flight.
+    """
+    from plait.adapters import tf_collectives as tc
+
+    tensors = list(tensors)
+    for t in tensors:
+        _check_scatterable(t)
+    claim_name(name)
+    comm = _F.comm(process_set)
+    labels = [None if name is None else f"{name}.{i}" for i in range(len(tensors))]
+    factor = (comm.size if op == Sum else 1) * prescale_factor * postscale_factor
+
+    def forward(ts: list[Any]) -> list[Any]:
+        return [_F.reducescatter(t, label, op, process_set, prescale_factor, postscale_factor)
+                for t, label in zip(ts, labels)]
+
+    def backward(dys: list[Any]) -> list[Any]:
+        return [comm.allgather(dy if factor == 1 else dy * factor,
+                               None if label is None else f"{label}/grad")
+                for dy, label in zip(dys, labels)]
+
+    return tc.differentiable_group(forward, backward, tensors)
 
 
 def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, device_dense: str = "",
