@@ -37,6 +37,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         self.dataset, self.shuffle, self.seed = dataset, shuffle, seed
         self.epoch = 0
         self.processed_indices: set[int] = set()
+        self.shared: set[int] = set()  # processed indices every rank already knows
         self.indices: list[int] = []
         self.num_replicas = self.rank = self.num_samples = self.total_size = 0
         self.reset()
@@ -44,7 +45,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch``: nothing is processed yet."""
         self.epoch = epoch
-        self.processed_indices = set()
+        self.processed_indices, self.shared = set(), set()
         self.reset()
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
@@ -68,6 +69,7 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         """Take the epoch and processed indices, and re-shard the rest."""
         self.epoch = state_dict["epoch"]
         self.processed_indices = set(state_dict["processed_indices"])
+        self.shared = set(self.processed_indices)  # every rank loads the same state
         self.reset()
 
     def reset(self) -> None:
@@ -119,14 +121,17 @@ class TorchState(State):
         super().__init__(**{k: v for k, v in kwargs.items() if k not in self._handled})
 
     def gather(self) -> None:
-        """Before a commit or sync: every sampler records what any rank processed."""
+        """Before a commit or sync: every sampler records what any rank processed (each rank
+        sends only the indices not shared at the last commit, so a commit per batch does not
+        send the whole epoch's again)."""
         samplers = [s for s in self._handled.values() if isinstance(s, ElasticSampler)]
         world = runtime.world()
         if not samplers or world.size == 1:
             return
-        every = world.allgather_object([s.processed_indices for s in samplers])
+        every = world.allgather_object([s.processed_indices - s.shared for s in samplers])
         for i, sampler in enumerate(samplers):
-            sampler.processed_indices = set().union(*(sets[i] for sets in every))
+            sampler.processed_indices |= set().union(*(sets[i] for sets in every))
+            sampler.shared = set(sampler.processed_indices)
 
     def snapshot(self) -> dict[str, Any]:
         """Each object's state dict (tensors copied to the host) and the attributes."""

@@ -791,6 +791,10 @@ def test_torch_state_syncs_restores_commits_and_resumes(tmp_path, monkeypatch):
     with_sampler.commit()
     done = set().union(*(e[:2] for e in every))
     assert sampler.processed_indices == done
+    sampler.record_batch(1, 2)  # the next commit sends only what is new
+    with_sampler.commit()
+    done = set().union(*(e[:4] for e in every))
+    assert sampler.processed_indices == done
     with_sampler.sync()
     left = set().union(*hvd.allgather_object(list(sampler)))
     assert left == set(range(11)) - done

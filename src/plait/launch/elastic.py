@@ -101,7 +101,8 @@ def discover(script: str, timeout: float = 30.0) -> list[HostSlots]:
     """Run the discovery script once.
 
     Args:
-        script: a shell command; each line of its output is ``HOST`` or ``HOST:SLOTS``.
+        script: a shell command (run through the shell, as horovodrun runs it: the user's
+            own command line); each line of its output is ``HOST`` or ``HOST:SLOTS``.
         timeout: seconds it may take.
 
     Returns:
