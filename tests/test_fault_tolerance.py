@@ -1,5 +1,6 @@
-"""Fault tolerance: SIGKILLed ranks, automatic restarts, elastic restart, dead peers,
-Horovod elastic on emulated hosts, and the restart logic itself (unit tests at the end).
+"""Fault tolerance: SIGKILLed ranks, automatic restarts, dead peers, Horovod elastic on
+emulated hosts, and the restart logic itself (unit tests at the end). A restart that leaves
+out a host whose link went down is in test_link_down.py.
 
 The training job is tests/parallel/job_ckpt_train.py (2-rank digits MLP, torch or Keras 3,
 checkpoint every 2 steps) started by ``plait run --restarts``; a parameter-server job
@@ -30,13 +31,13 @@ from plait.errors import ConfigError
 from plait.launch.command import LaunchSpec
 from plait.launch.hostfile import HostSlots, total_slots
 from plait.launch.restart import RestartPolicy, RestartState, blamed_hosts, rank_hosts, run_with_restarts
-from plait.testing.netns import EmulatedHosts, unavailable_reason
+from plait.testing.netns import EmulatedHosts
 from plait.testing.pytest_fixtures import emulated_hosts  # noqa: F401  (fixture)
 
 torch = pytest.importorskip("torch")
 JOB = str(ROOT / "tests" / "parallel" / "job_ckpt_train.py")
 STEPS = 10
-RUNS = 10  # each run: its own seeded kill schedule; 1 kill (2 in every fifth run)
+RUNS = 8  # each run: its own seeded kill schedule; 1 kill (2 in every fourth run)
 RESTART_LINE = re.compile(r"restart (\d+)/\d+ in")
 
 
@@ -66,7 +67,7 @@ def launch(tmp: Path, name: str, job: str, np: int, env: dict[str, str], restart
     directory is as the killed attempt left it.
     """
     argv = [sys.executable, "-m", "plait.launch.run", "-np", str(np), "--oversubscribe",
-            "--timeout", "90", "--restarts", str(restarts), "--restart-backoff", "0.5", "--",
+            "--timeout", "90", "--restarts", str(restarts), "--restart-backoff", "0.1", "--",
             sys.executable, job]
     with open(tmp / f"{name}.out", "w+") as out:
         proc = subprocess.Popen(argv, cwd=ROOT, env=mpi_env(env), stdout=out,
@@ -146,7 +147,7 @@ def saved_range(step: int, during_save: bool) -> tuple[int, int]:
 
 def sigkill_runs(tmp_path: Path, digits: str, framework: str, runs: int) -> int:
     """``runs`` runs of the digits job, each SIGKILLing a random rank at random steps (some
-    during a checkpoint write, two kills in every fifth run); the latest checkpoint loads
+    during a checkpoint write, two kills in every fourth run); the latest checkpoint loads
     after every killed attempt; the final weights equal the uninterrupted run's bit for bit.
     Reproduce a failure with PLAIT_FT_SEED. Returns the number of kills."""
     more = {"FT_FRAMEWORK": framework}
@@ -157,7 +158,7 @@ def sigkill_runs(tmp_path: Path, digits: str, framework: str, runs: int) -> int:
     print(f"\n[fault tolerance] {framework} PLAIT_FT_SEED={seed}")
     killed = 0
     for run in range(runs):
-        points = schedule(random.Random(f"{seed}-{run}"), 2 if run % 5 == 4 else 1)
+        points = schedule(random.Random(f"{seed}-{run}"), 2 if run % 4 == 3 else 1)
         if run == 1 and not any(w for _, _, w in points):  # at least one kill during a save
             points = [(r, s, True) for r, s, _ in points]
         kill = kill_spec(points)
@@ -201,7 +202,7 @@ def sigkill_runs(tmp_path: Path, digits: str, framework: str, runs: int) -> int:
 @pytest.mark.timeout(1200)
 def test_random_sigkills_resume_to_bitwise_equal_weights(tmp_path: Path, digits: str) -> None:
     """torch: 10 runs, 12 kills."""
-    assert sigkill_runs(tmp_path, digits, "torch", RUNS) >= 12
+    assert sigkill_runs(tmp_path, digits, "torch", RUNS) >= 10
 
 
 @pytest.mark.timeout(900)
@@ -271,50 +272,6 @@ def test_dead_peer_ends_the_job(how: str) -> None:
 
 
 Factory = Callable[..., EmulatedHosts]
-
-
-@pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
-@pytest.mark.timeout(420)
-def test_elastic_restart_excludes_a_host_whose_link_went_down(
-        emulated_hosts: Factory, tmp_path: Path, digits: str) -> None:  # noqa: F811
-    hosts = emulated_hosts(3)
-    env = mpi_env({"FT_DATA": digits, "FT_DIR": str(tmp_path / "ck"), "FT_OUT": str(tmp_path / "w.npz"),
-                   "FT_STEPS": "40", "FT_EVERY": "2", "FT_BATCH": "96", "FT_BASE_SIZE": "3",
-                   "FT_SLEEP": "0.2", "PLAIT_TIMEOUT": "5"})
-    env["PATH"] = f"{hosts.bin_dir}:{env['PATH']}"
-    argv = [sys.executable, "-m", "plait.launch.run", "--timeout", "120", "--restarts", "2",
-            "--restart-backoff", "0.5", "--probe-timeout", "8", "--hostfile", hosts.hostfile,
-            *hosts.mpirun_args(), *[a for k in env if k.startswith("FT_") for a in ("-x", k)],
-            "--", sys.executable, JOB]
-    with open(tmp_path / "out", "w+") as out, open(tmp_path / "err", "w+") as err:
-        proc = hosts.popen(hosts.hosts[0], argv, env=env, stdout=out, stderr=err)
-        try:
-            deadline = time.monotonic() + 240
-            ckpt = Checkpoint(tmp_path / "ck")
-            while proc.poll() is None and time.monotonic() < deadline:
-                entry = ckpt.latest() if (tmp_path / "ck").exists() else None
-                if entry is not None and entry.step >= 4:
-                    break
-                time.sleep(0.2)
-            assert proc.poll() is None, "the job ended before the link went down"
-            hosts.link_down(hosts.hosts[2])
-            proc.wait(timeout=300)
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    context = f"{stderr[-4000:]}\n{stdout[-2000:]}"
-    assert proc.returncode == 0, context
-    assert f"excluding host {hosts.hosts[2]}" in stderr, context
-    used = ",".join(hosts.hosts[:2])
-    assert f"with 2 ranks on hosts {used}" in stderr, context
-    assert "FT done size=2" in stdout, context
-    resumed = re.findall(r"FT rank=\d attempt=1 resumed=(\d+) size=2", stdout)
-    assert len(resumed) == 2, context
-    assert resumed and int(resumed[0]) >= 4, context
 
 
 def horovod_elastic(tmp_path: Path, job: str, hosts_text: str, env: dict[str, str],

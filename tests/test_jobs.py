@@ -10,7 +10,9 @@ import pytest
 from jobs import pytest_argv, run_job
 
 # horovod.tensorflow as the library, under horovodrun --mpi; only the Horovod backend: the MPI
-# backend's cases of the same files already run under mpirun (a TensorFlow job costs ~30 s each)
+# backend's cases of the same files already run under mpirun (a TensorFlow job costs ~30 s each).
+# job_dp_tf under mpirun runs only the MPI backend: its Horovod cases run under horovodrun with
+# horovod.tensorflow, the library a TensorFlow script uses.
 HVD_TF = {"PLAIT_TEST_HOROVOD_FRAMEWORK": "tensorflow", "PLAIT_TEST_BACKENDS": "horovod"}
 # (ids show the env values: "-tensorflow" means that library, "-mpi"/"-horovod" the world backend)
 
@@ -28,7 +30,7 @@ JOBS = [
     ("horovodrun-gloo", 2, "job_hvd_reset.py", {"PLAIT_BACKEND": "horovod", "PLAIT_BUCKET_MB": "0"}),
     ("horovodrun-gloo", 2, "job_tf_graph_gloo.py", {"PLAIT_BACKEND": "horovod"}),
     ("mpirun", 2, "job_compression.py", {}),
-    ("mpirun", 2, "job_dp_tf.py", {}),
+    ("mpirun", 2, "job_dp_tf.py", {"PLAIT_TEST_BACKENDS": "mpi"}),
     ("mpirun", 2, "job_faces.py", {"PLAIT_BACKEND": "mpi"}),
     ("mpirun", 2, "job_faces.py", {"PLAIT_BACKEND": "horovod"}),
     ("mpirun", 2, "job_face_extras.py", {"PLAIT_BACKEND": "mpi"}),
