@@ -92,9 +92,13 @@ class TFOps:
         outermost graph being built, and that graph's name (see :func:`graph_position`),
         and whether the graph runs such ops in the order they were built.
         In a TF1 ``tf.Graph`` such ops also run in the order they were built (each has a
-        control dependency on the previous one), as ``tf.function`` runs stateful ops in
-        program order: a session runs independent ops in several threads, and host ops
-        that block in different collectives on different ranks would hold every thread.
+        control dependency on the previous one): a session runs independent ops in several
+        threads, and host ops that block in different collectives on different ranks would
+        hold every thread. In a ``tf.function`` each such op also takes a token output by
+        the previous one (a data edge): the automatic control dependencies between stateful
+        ops alone did not hold, as Grappler's dependency optimizer removed one that looked
+        redundant (a path through a ``tf.custom_gradient``'s ``IdentityN``) before another
+        pass cut that path, and the ranks' backward collectives then overlapped forward ones.
         """
         like = unwrap(like)
         bind = getattr(fn, "bind", None)
@@ -102,19 +106,23 @@ class TFOps:
         graph = tf.compat.v1.get_default_graph()
         chained = position is not None and not getattr(graph, "building_function", False)
         previous = _LAST_OP.get(graph) if chained else None
+        token = _LAST_TOKEN.get(graph) if position is not None and not chained else None
+        values = [unwrap(i) for i in inputs]
 
         def host(*args: Any) -> Any:  # a disagreement is TensorFlow's error, as in Horovod
             with tf_errors():
-                return fn(*args)
+                return fn(*args[: len(values)])  # without the token
 
         with tf.control_dependencies([previous] if previous is not None else []):
             if chained:  # a TF1 graph: a disagreement raises FailedPreconditionError
-                out, failed = tf.numpy_function(_reporting(host, like.dtype),
-                                                [unwrap(i) for i in inputs],
+                out, failed = tf.numpy_function(_reporting(host, like.dtype), values,
                                                 Tout=[like.dtype, tf.int32], stateful=True)
+            elif position is not None:  # a tf.function: pass a token on to the next host op
+                out, _LAST_TOKEN[graph] = tf.numpy_function(
+                    _tokened(host), values + ([token] if token is not None else []),
+                    Tout=[like.dtype, tf.int32], stateful=True)
             else:
-                out = tf.numpy_function(host, [unwrap(i) for i in inputs], Tout=like.dtype,
-                                        stateful=True)
+                out = tf.numpy_function(host, values, Tout=like.dtype, stateful=True)
         op = out.op
         if chained:
             _LAST_OP[graph] = op
@@ -235,6 +243,17 @@ class TFOps:
 
 _POSITIONS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 _LAST_OP: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+_LAST_TOKEN: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+
+
+def _tokened(host: Callable[..., Any]) -> Callable[..., Any]:
+    """``host`` returning ``(result, token)``: the token, an int32 scalar, is an input of
+    the next host op of the same ``tf.function`` (see :meth:`TFOps.host_call`)."""
+
+    def run(*args: Any) -> Any:
+        return host(*args), np.int32(0)
+
+    return run
 
 
 class TFMismatchError(MismatchError, tf.errors.FailedPreconditionError):

@@ -5,9 +5,9 @@ at once (a TF1 session does). A host op that calls a collective directly would
 then pair with a different collective on another rank (``MPI_ERR_TRUNCATE``,
 then a hang). Two mechanisms, chosen per op when the graph is built:
 
-* *Build order.* ``tf.function`` runs stateful ops (plait's host ops are) in
-  program order, and the TensorFlow adapter chains plait's host ops of a TF1
-  ``tf.Graph`` by control dependencies in the order they were built. Every rank
+* *Build order.* The TensorFlow adapter chains plait's host ops of a graph in the
+  order they were built: by control dependencies in a TF1 ``tf.Graph``, by a token
+  passed from each host op to the next in a ``tf.function``. Every rank
   then runs them in the same order, with no extra message (the default for these
   ops; a mismatch is caught by the collective's own agreement check).
 * *Negotiation by key* (Horovod's coordinator), for ops whose graph does not fix

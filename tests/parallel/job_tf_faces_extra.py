@@ -369,9 +369,8 @@ def test_indexed_slices_refuse_other_ops_and_scaling_as_horovod(grouped):
 def test_grouped_allgather_and_reducescatter_have_horovods_gradients(kind, graph):
     """grouped_allgather's gradient is allgather's (the averaged upstream gradient's rows
     of this rank), grouped_reducescatter's is reducescatter's (the allgathered upstream
-    gradient, times the ranks for Sum), for each tensor of the group. Inside tf.function
-    a group of one: on the MPI backend several collectives' gradients in one tf.function
-    do not yet agree across ranks (a MismatchError, not a hang)."""
+    gradient, times the ranks for Sum), for each tensor of the group, eagerly and inside
+    tf.function."""
     r, n = hvd.rank(), hvd.size()
 
     def grads() -> list[tf.Tensor]:
@@ -379,7 +378,6 @@ def test_grouped_allgather_and_reducescatter_have_horovods_gradients(kind, graph
             xs = [tf.fill([r + 1, 2], float(r)), tf.fill([1, 3], 1.0)]
         else:
             xs = [tf.fill([2 * n, 2], float(r)), tf.fill([n, 1], 2.0)]
-        xs = xs[:1] if graph else xs
         with tf.GradientTape() as tape:
             tape.watch(xs)
             ys = (hvd.grouped_allgather(xs) if kind == "allgather"
@@ -391,6 +389,29 @@ def test_grouped_allgather_and_reducescatter_have_horovods_gradients(kind, graph
     want = (2.0, 1.0) if kind == "allgather" else (2.0 * n, 1.0 * n)
     for g, w in zip(got, want):
         _close(g, np.full(g.shape, w))
+
+
+def test_many_collectives_gradients_in_one_tf_function_equal_eager_ones():
+    """One tf.function whose backward runs the gradients of grouped and single allgathers,
+    reducescatters, an alltoall, a broadcast and allreduces (tensors of different sizes on
+    different ranks): every call equals the eager gradients, on every rank."""
+    r, n = hvd.rank(), hvd.size()
+
+    def grads(k: tf.Tensor) -> list[tf.Tensor]:
+        xs = [tf.fill([r + 1, 2], float(r)) * k, tf.fill([1, 3], 1.0) * k,
+              tf.fill([2 * n, 2], float(r)) * k, tf.fill([n, 1], 2.0) * k, tf.ones([5]) * k]
+        with tf.GradientTape() as tape:
+            tape.watch(xs)
+            ys = [*hvd.grouped_allgather(xs[:2]), *hvd.grouped_reducescatter(xs[2:4], op=hvd.Sum),
+                  hvd.allgather(xs[0]), hvd.broadcast(xs[4], 0), hvd.allreduce(xs[4]),
+                  hvd.alltoall(xs[2]), *hvd.grouped_allreduce(xs[2:4], op=hvd.Sum)]
+            loss = tf.add_n([tf.reduce_sum(y) * float(i + 1) for i, y in enumerate(ys)])
+        return tape.gradient(loss, xs)
+
+    graph = tf.function(grads)
+    for k in (1.0, 2.0, 3.0):
+        for got, want in zip(graph(tf.constant(k)), grads(tf.constant(k)), strict=True):
+            _close(got, want.numpy())
 
 
 def test_reducescatter_of_a_scalar_raises_value_error_as_horovod():
