@@ -49,6 +49,7 @@ from .base import (
     reducescatter_counts,
 )
 from .check import Call, mismatch
+from .goodbye import Departures, say_goodbye_at_exit
 from .horovod_wait import HOROVOD_WAIT
 from .join import ALLREDUCE, JOINED, OTHER, SMALL, STEP, Reduction, describe, read, zeros
 from .pool import BufferPool
@@ -96,6 +97,9 @@ _TAG_UB = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
 #: which user point-to-point messages are unlikely to use).
 _ASK_TAG = _TAG_UB
 _ANSWER_TAG = _ASK_TAG - 1
+#: The tag of the goodbyes (:mod:`plait.collectives.goodbye`) on the ring communicator,
+#: above every ring's tags.
+_BYE_TAG = _TAG_UB
 #: How long a timed-out rank listens for the others' answers at most (and at least
 #: :data:`_ASK_MIN_S`; a tenth of the timeout in between: the question adds at most 10 %
 #: to long timeouts). Ranks answer between polls; 8 ranks on 2 cores under load took
@@ -175,6 +179,8 @@ class MPICommunicator(CommunicatorBase):
         self.size = self.comm.Get_size()
         self.tuning = Tuning.from_env() if tuning is None else tuning
         self._ring_comm = self.comm.Dup()  # ring messages never meet user send/recv
+        self._departures = Departures(self._ring_comm, _BYE_TAG)
+        say_goodbye_at_exit(self, self._ring_comm, _BYE_TAG)
         # the tag ranges of successive rings; a split communicator used to fall back to
         # 7 ranges (32767 // 4096), so a DP step with more buckets in flight reused tags
         # of rings still running: messages crossed between buckets (MPI_ERR_TRUNCATE or
@@ -285,7 +291,22 @@ class MPICommunicator(CommunicatorBase):
             if now > answer_at:
                 self._answer(seq)
                 answer_at = now + 0.05
+                if seq > 0:  # a collective (not a receive): did a rank of it leave?
+                    self._departures.read()
+                    gone = self._departures.overdue(quiet, now)
+                    if gone:
+                        raise self._departed(gone, seq)
             time.sleep(_NAP_S)
+
+    def _departed(self, gone: list[int], seq: int) -> MismatchError:
+        """The error of a collective that ranks which ended their program never joined."""
+        what = self._call.describe() if self._call is not None else "a collective"
+        hosts = self.on_hosts(gone).rstrip("; ")
+        return MismatchError(
+            f"{self!r}: {rank_list(gone)}{self._world_ranks(gone)}{f' ({hosts})' if hosts else ''} "
+            f"ended its program while this rank waits in {what} (collective #{seq}): "
+            "the ranks called different collectives or different numbers of them (as Horovod: "
+            "a collective after one of the ranks finished execution)")
 
     def _poll(self, req: Any, what: str) -> None:
         """Wait for ``req``, raising if the group does not complete it in time (the

@@ -271,6 +271,31 @@ def test_dead_peer_ends_the_job(how: str) -> None:
         assert "aborts the job (MPI_Abort)" in proc.stderr, proc.stderr[-3000:]
 
 
+EARLY = """
+import sys
+import numpy as np
+import plait
+comm = plait.init("mpi", timeout=200)
+for i in range(10**6):
+    if comm.rank == 1 and i == 20:
+        sys.exit(0)  # ends normally, having called fewer collectives than the others
+    comm.allreduce(np.ones(4), name="x")
+"""
+
+
+@pytest.mark.timeout(240)
+def test_peer_that_ends_its_program_ends_the_others_collective() -> None:
+    """A rank that exits normally says goodbye: the other rank's collective raises
+    MismatchError naming it within seconds (Horovod: "after one of the ranks finished
+    execution"), not after the 200 s timeout, and the job ends non-zero."""
+    proc = plait_run(["-np", "2", "--oversubscribe", "--timeout", "150", "--",
+                      sys.executable, "-c", EARLY], {}, timeout=200)
+    assert proc.returncode not in (0, 124), proc.stderr[-3000:]
+    assert "MismatchError" in proc.stderr and "rank 1" in proc.stderr, proc.stderr[-3000:]
+    assert "ended its program while this rank waits in allreduce" in proc.stderr, \
+        proc.stderr[-3000:]
+
+
 Factory = Callable[..., EmulatedHosts]
 
 
