@@ -254,27 +254,31 @@ class MPICommunicator(CommunicatorBase):
                 self._wake.set()
 
     def _wait_until(self, ready: Callable[[], bool], timed_out: Callable[[], str],
-                    seq: int = -1) -> None:
+                    seq: int = -1, point: tuple[int, str] | None = None) -> None:
         """Poll ``ready`` (which drives MPI progress), and the rings in flight, until it
         is true; raise after ``self.timeout`` seconds.
 
         Polls yield the CPU and never sleep while anything moved in the last
         :data:`SPIN_S` seconds (a sleeping rank would stall its own transfers). Then
         it naps between polls and answers other ranks that timed out and ask who is
-        waiting (saying "collective #seq", or -1 outside a collective)."""
+        waiting (saying "collective #seq", or -1 outside a collective). A wait of a
+        collective raises when a rank of the group ended its program, and one for a
+        message to or from a single rank (``point``: that rank and what the message is),
+        when that rank did (see :mod:`plait.collectives.goodbye`)."""
         if ready():
             return
         token = object()
         self._waiting.add(token)
         self._unwatched.clear()
         try:
-            self._wait_loop(ready, timed_out, seq)
+            self._wait_loop(ready, timed_out, seq, point)
         finally:
             self._waiting.discard(token)
             if not self._waiting:
                 self._unwatched.set()
 
-    def _wait_loop(self, ready: Callable[[], bool], timed_out: Callable[[], str], seq: int) -> None:
+    def _wait_loop(self, ready: Callable[[], bool], timed_out: Callable[[], str], seq: int,
+                   point: tuple[int, str] | None) -> None:
         now = time.monotonic()
         deadline, quiet, answer_at = now + self.timeout, now, 0.0
         while True:
@@ -291,16 +295,20 @@ class MPICommunicator(CommunicatorBase):
             if now > answer_at:
                 self._answer(seq)
                 answer_at = now + 0.05
-                if seq > 0:  # a collective (not a receive): did a rank of it leave?
+                if seq > 0 or point is not None:  # did a rank this wait needs leave?
                     self._departures.read()
                     gone = self._departures.overdue(quiet, now)
+                    if point is not None:
+                        gone = [r for r in gone if r == point[0]]
                     if gone:
-                        raise self._departed(gone, seq)
+                        raise self._departed(gone, seq, None if point is None else point[1])
             time.sleep(_NAP_S)
 
-    def _departed(self, gone: list[int], seq: int) -> MismatchError:
-        """The error of a collective that ranks which ended their program never joined."""
-        what = self._call.describe() if self._call is not None else "a collective"
+    def _departed(self, gone: list[int], seq: int, what: str | None) -> MismatchError:
+        """The error of a wait for ranks that ended their program (``what``: a message's
+        description; None: the last collective started)."""
+        if what is None:
+            what = self._call.describe() if self._call is not None else "a collective"
         hosts = self.on_hosts(gone).rstrip("; ")
         return MismatchError(
             f"{self!r}: {rank_list(gone)}{self._world_ranks(gone)}{f' ({hosts})' if hosts else ''} "
@@ -308,14 +316,16 @@ class MPICommunicator(CommunicatorBase):
             "the ranks called different collectives or different numbers of them (as Horovod: "
             "a collective after one of the ranks finished execution)")
 
-    def _poll(self, req: Any, what: str) -> None:
-        """Wait for ``req``, raising if the group does not complete it in time (the
-        request is then kept: mpi4py holds its buffers, which MPI may still write into
-        once a late rank arrives; freed, they were reused and a later test crashed)."""
+    def _poll(self, req: Any, what: str, peer: int | None = None) -> None:
+        """Wait for ``req``, raising if the group (or the one ``peer`` of a message) does
+        not complete it in time (the request is then kept: mpi4py holds its buffers, which
+        MPI may still write into once a late rank arrives; freed, they were reused and a
+        later test crashed)."""
         self._calls += 1
         seq = self._calls
+        point = None if peer is None else (peer, what)
         try:
-            self._wait_until(req.Test, lambda: self._timeout_report(what, seq), seq)
+            self._wait_until(req.Test, lambda: self._timeout_report(what, seq), seq, point)
         except BaseException:
             self._abandoned.append(req)
             raise
@@ -910,7 +920,7 @@ class MPICommunicator(CommunicatorBase):
         ops = self._ops(tensor, "send")
         data = _flat_bytes(ops.to_numpy(tensor))
         self._poll(self.comm.Isend(data, dest=dest, tag=tag),
-                   f"a send to rank {dest} (tag {tag}) of {data.size} bytes")
+                   f"a send to rank {dest} (tag {tag}) of {data.size} bytes", dest)
 
     def recv(self, like: Tensor, source: int, tag: int = 0) -> Tensor:
         """Receive a tensor shaped and typed like ``like`` from rank ``source``.
@@ -927,14 +937,14 @@ class MPICommunicator(CommunicatorBase):
         got = status.Get_count(MPI.BYTE)
         if got != template.nbytes:
             junk = np.empty(got, dtype=np.uint8)
-            self._poll(self.comm.Irecv(junk, source=source, tag=tag), "a recv")
+            self._poll(self.comm.Irecv(junk, source=source, tag=tag), "a recv", source)
             raise MismatchError(
                 f"{self!r}: recv from rank {source} (tag {tag}) expected {template.nbytes} bytes "
                 f"(shape {template.shape}, {ops.dtype_name(like)}) but the message has {got}"
             )
         out = self._pool.empty(template.shape, template.dtype)
         self._poll(self.comm.Irecv(_flat_bytes(out), source=source, tag=tag),
-                   f"a recv from rank {source} (tag {tag}) of {template.nbytes} bytes")
+                   f"a recv from rank {source} (tag {tag}) of {template.nbytes} bytes", source)
         return ops.from_numpy(out, like)
 
     def send_async(self, tensor: Tensor, dest: int, tag: int = 0) -> Handle:
@@ -951,7 +961,7 @@ class MPICommunicator(CommunicatorBase):
         data = _flat_bytes(ops.to_numpy(tensor))
         req = _P2P(self.comm.Isend(data, dest=dest, tag=tag))
         return self._point(req, lambda: None, (data, tensor),
-                           f"a send to rank {dest} (tag {tag}) of {data.size} bytes")
+                           f"a send to rank {dest} (tag {tag}) of {data.size} bytes", dest)
 
     def recv_async(self, like: Tensor, source: int, tag: int = 0) -> Handle:
         """Post a receive of a tensor shaped and typed like ``like`` from rank ``source``;
@@ -977,9 +987,10 @@ class MPICommunicator(CommunicatorBase):
             return ops.from_numpy(out, like)
 
         return self._point(req, finish, (out, like),
-                           f"a recv from rank {source} (tag {tag}) of {template.nbytes} bytes")
+                           f"a recv from rank {source} (tag {tag}) of {template.nbytes} bytes", source)
 
-    def _point(self, req: _P2P, finish: Callable[[], Any], keep: Any, what: str) -> Handle:
+    def _point(self, req: _P2P, finish: Callable[[], Any], keep: Any, what: str,
+               peer: int) -> Handle:
         """A handle over a point-to-point request, tested only by its owner (``done``,
         ``wait``; not by the progress thread: no lock, no thread per message); ``wait()``
         is bounded by the timeout."""
@@ -987,13 +998,15 @@ class MPICommunicator(CommunicatorBase):
         def wait() -> None:
             self._calls += 1
             seq = self._calls
-            self._wait_until(req.progress, lambda: self._timeout_report(what, seq), seq)
+            self._wait_until(req.progress, lambda: self._timeout_report(what, seq), seq,
+                             (peer, what))
 
         return Pending(req.progress, wait, finish, keep, what)
 
     def _poll_probe(self, source: int, tag: int, status: Any) -> None:
         self._wait_until(lambda: bool(self.comm.Iprobe(source=source, tag=tag, status=status)),
-                         lambda: f"no message from rank {source} (tag {tag}) within {self.timeout:g}s")
+                         lambda: f"no message from rank {source} (tag {tag}) within {self.timeout:g}s",
+                         point=(source, f"a message from rank {source} (tag {tag})"))
 
     # -- groups ------------------------------------------------------------------------------------
     def split(self, color: int, key: int = 0) -> MPICommunicator:

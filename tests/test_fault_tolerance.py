@@ -14,6 +14,7 @@ import os
 import random
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -279,21 +280,25 @@ comm = plait.init("mpi", timeout=200)
 for i in range(10**6):
     if comm.rank == 1 and i == 20:
         sys.exit(0)  # ends normally, having called fewer collectives than the others
+    if sys.argv[1] == "recv" and i == 20:
+        comm.recv(np.zeros(4), 1)  # rank 0: a message rank 1 never sends
     comm.allreduce(np.ones(4), name="x")
 """
 
 
 @pytest.mark.timeout(240)
-def test_peer_that_ends_its_program_ends_the_others_collective() -> None:
-    """A rank that exits normally says goodbye: the other rank's collective raises
-    MismatchError naming it within seconds (Horovod: "after one of the ranks finished
-    execution"), not after the 200 s timeout, and the job ends non-zero."""
+@pytest.mark.parametrize(("wait", "what"), [("collective", "allreduce"),
+                                            ("recv", "a message from rank 1")])
+def test_peer_that_ends_its_program_ends_the_others_wait(wait: str, what: str) -> None:
+    """A rank that exits normally says goodbye: the other rank's collective, or its receive
+    from that rank, raises MismatchError naming it within seconds (Horovod: "after one of
+    the ranks finished execution"), not after the 200 s timeout; the job ends non-zero."""
     proc = plait_run(["-np", "2", "--oversubscribe", "--timeout", "150", "--",
-                      sys.executable, "-c", EARLY], {}, timeout=200)
+                      sys.executable, "-c", EARLY, wait], {}, timeout=200)
     assert proc.returncode not in (0, 124), proc.stderr[-3000:]
-    assert "MismatchError" in proc.stderr and "rank 1" in proc.stderr, proc.stderr[-3000:]
-    assert "ended its program while this rank waits in allreduce" in proc.stderr, \
-        proc.stderr[-3000:]
+    assert "MismatchError" in proc.stderr, proc.stderr[-3000:]
+    assert f"rank 1 (host {socket.gethostname()}) ended its program while this rank waits in " \
+           f"{what}" in proc.stderr, proc.stderr[-3000:]
 
 
 Factory = Callable[..., EmulatedHosts]
