@@ -38,7 +38,7 @@ from plait.testing.pytest_fixtures import emulated_hosts  # noqa: F401  (fixture
 torch = pytest.importorskip("torch")
 JOB = str(ROOT / "tests" / "parallel" / "job_ckpt_train.py")
 STEPS = 10
-RUNS = 8  # each run: its own seeded kill schedule; 1 kill (2 in every fourth run)
+RUNS = 6  # each run: its own seeded kill schedule; 1 kill (2 in every third run)
 RESTART_LINE = re.compile(r"restart (\d+)/\d+ in")
 
 
@@ -148,7 +148,7 @@ def saved_range(step: int, during_save: bool) -> tuple[int, int]:
 
 def sigkill_runs(tmp_path: Path, digits: str, framework: str, runs: int) -> int:
     """``runs`` runs of the digits job, each SIGKILLing a random rank at random steps (some
-    during a checkpoint write, two kills in every fourth run); the latest checkpoint loads
+    during a checkpoint write, two kills in every third run); the latest checkpoint loads
     after every killed attempt; the final weights equal the uninterrupted run's bit for bit.
     Reproduce a failure with PLAIT_FT_SEED. Returns the number of kills."""
     more = {"FT_FRAMEWORK": framework}
@@ -159,7 +159,7 @@ def sigkill_runs(tmp_path: Path, digits: str, framework: str, runs: int) -> int:
     print(f"\n[fault tolerance] {framework} PLAIT_FT_SEED={seed}")
     killed = 0
     for run in range(runs):
-        points = schedule(random.Random(f"{seed}-{run}"), 2 if run % 4 == 3 else 1)
+        points = schedule(random.Random(f"{seed}-{run}"), 2 if run % 3 == 2 else 1)
         if run == 1 and not any(w for _, _, w in points):  # at least one kill during a save
             points = [(r, s, True) for r, s, _ in points]
         kill = kill_spec(points)
@@ -203,13 +203,13 @@ def sigkill_runs(tmp_path: Path, digits: str, framework: str, runs: int) -> int:
 @pytest.mark.timeout(1200)
 def test_random_sigkills_resume_to_bitwise_equal_weights(tmp_path: Path, digits: str) -> None:
     """torch: 10 runs, 12 kills."""
-    assert sigkill_runs(tmp_path, digits, "torch", RUNS) >= 10
+    assert sigkill_runs(tmp_path, digits, "torch", RUNS) >= 8
 
 
 @pytest.mark.timeout(900)
 def test_random_sigkills_keras_resume_to_bitwise_equal_weights(tmp_path: Path, digits: str) -> None:
-    """Keras 3 (op determinism on, dropout drawn from Keras seed generators): 3 runs."""
-    assert sigkill_runs(tmp_path, digits, "keras", 3) >= 3
+    """Keras 3 (op determinism on, dropout drawn from Keras seed generators): 2 runs."""
+    assert sigkill_runs(tmp_path, digits, "keras", 2) >= 2
 
 
 PS_JOB = str(ROOT / "tests" / "parallel" / "job_ckpt_ps.py")
