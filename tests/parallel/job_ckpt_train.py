@@ -5,11 +5,9 @@ torch by default; ``FT_FRAMEWORK=keras`` trains the same model in Keras 3.
 Run by ``plait run --restarts R`` on every rank (a script, not a pytest file).
 Environment:
     FT_DATA     .npz with the digits (x, y); FT_DIR checkpoint directory; FT_OUT final weights (.npz).
-    FT_STEPS    steps to train; FT_EVERY checkpoint interval; FT_BASE_SIZE ranks planned.
+    FT_STEPS    steps to train; FT_EVERY checkpoint interval.
     FT_KILL     "attempt:rank:step[:w];..." -- SIGKILL that rank of that attempt just before
                 step (``w``: during the checkpoint written after that step).
-    FT_BATCH    global batch (default 64), kept when the world shrinks (PLAIT_ELASTIC_POLICY).
-    FT_SLEEP    seconds to sleep per step (to give an outside test time to act).
 """
 
 from __future__ import annotations
@@ -100,8 +98,6 @@ def main() -> None:
     attempt = restart_count()
     rank, size = comm.rank, comm.size
     steps, every = int(os.environ["FT_STEPS"]), int(os.environ.get("FT_EVERY", "2"))
-    base = int(os.environ.get("FT_BASE_SIZE", str(size)))
-    sleep = float(os.environ.get("FT_SLEEP", "0"))
     kill = kill_points().get((attempt, rank))
 
     random.seed(0)
@@ -109,7 +105,7 @@ def main() -> None:
     with np.load(os.environ["FT_DATA"]) as data:  # sklearn's load_digits, saved by the test
         x_all = (data["x"] / 16.0).astype(np.float32)
         y_all = data["y"].astype(np.int64)
-    p = plan(global_batch=int(os.environ.get("FT_BATCH", "64")), lr=0.05, size=size, base_size=base)
+    p = plan(global_batch=64, lr=0.05, size=size, base_size=size)
     keras = os.environ.get("FT_FRAMEWORK", "torch") == "keras"
     trainer = KerasTrainer(comm, p.lr) if keras else TorchTrainer(comm, p.lr)
     model, opt = trainer.model, trainer.opt
@@ -132,8 +128,6 @@ def main() -> None:
         ckpt.step_done(step + 1, model, opt)
         if kill is not None and kill[1] and kill[0] == step:
             time.sleep(1)  # the timer fires; never go on
-        if sleep:
-            time.sleep(sleep)
     weights = trainer.weights()
     flat = np.concatenate([w.reshape(-1) for w in weights])
     every_rank = np.asarray(comm.allgather(flat.reshape(1, -1)))
