@@ -21,6 +21,10 @@ gradient buckets appear under their names (``grad.0``, ``grad.1``...). Inside a
 ``tf.function`` a collective is recorded once, when the function is traced
 (``args.traced``), not at every run.
 
+On the MPI backend ``HOROVOD_TIMELINE`` (what ``horovodrun --timeline-filename``
+sets) gets Horovod's own timeline layout instead, written by rank 0
+(:mod:`plait.collectives.horovod_timeline`).
+
 Stall inspector: see :mod:`plait.collectives.stall`.
 """
 
@@ -36,10 +40,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from plait.errors import invalid
+from plait.errors import ConfigError, invalid
 from plait.protocols import Communicator, Handle, Tensor
 
-__all__ = ["ObservedCommunicator", "Recorder", "maybe_wrap", "merge", "prepare_env", "span"]
+from .horovod_timeline import DYNAMIC, HorovodRecorder
+
+__all__ = ["ObservedCommunicator", "Recorder", "horovod_recorder", "maybe_wrap", "merge",
+           "prepare_env", "span"]
 
 _ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "float64": 8, "int8": 1, "uint8": 1,
              "int16": 2, "uint16": 2, "int32": 4, "int64": 8, "bool": 1}
@@ -126,6 +133,18 @@ class Recorder:
         if args:
             ev["args"] = args
         self.write(ev)
+
+    def finish(self, op: _Op, t_end: float) -> None:
+        """Record the finished call ``op``: one event on its row, with ``submit`` and
+        ``wait`` nested."""
+        op.args.update(enqueue_us=round(op.t_enq, 3), start_us=round(op.t_start, 3),
+                       end_us=round(t_end, 3))
+        self.complete(op.label, "collective", op.tid, op.t_enq, t_end, op.args)
+        if op.t_start > op.t_enq:
+            self.complete("submit", "collective", op.tid, op.t_enq, op.t_start)
+        if op.t_wait is not None:
+            self.complete("wait", "collective", op.tid, max(op.t_wait, op.t_start), t_end)
+        self.release(op.key, op.tid)
 
     def close(self) -> None:
         """Finish this rank's part; on rank 0 also merge every part into ``path``."""
@@ -235,10 +254,13 @@ class span:  # noqa: N801 (used like a function: ``with span("forward 3"):``)
 class _Op:
     """One collective in flight: its row, times and description."""
 
-    __slots__ = ("args", "ended", "key", "label", "rec", "t_enq", "t_start", "t_wait", "tid")
+    __slots__ = ("args", "ended", "key", "kind", "label", "name", "rec", "t_enq", "t_start",
+                 "t_wait", "tid")
 
-    def __init__(self, rec: Recorder | None, label: str, key: str, args: dict[str, Any]) -> None:
-        self.rec, self.label, self.key, self.args = rec, label, key, args
+    def __init__(self, rec: Recorder | HorovodRecorder | None, kind: str, name: str | None,
+                 label: str, key: str, args: dict[str, Any]) -> None:
+        self.rec, self.kind, self.name = rec, kind, name
+        self.label, self.key, self.args = label, key, args
         self.tid = rec.lane(key) if rec is not None else 0
         self.t_enq = _now_us()
         self.t_start = self.t_enq
@@ -250,16 +272,7 @@ class _Op:
             self.ended = True
             return
         self.ended = True
-        t_end = _now_us()
-        rec = self.rec
-        self.args.update(enqueue_us=round(self.t_enq, 3), start_us=round(self.t_start, 3),
-                         end_us=round(t_end, 3))
-        rec.complete(self.label, "collective", self.tid, self.t_enq, t_end, self.args)
-        if self.t_start > self.t_enq:
-            rec.complete("submit", "collective", self.tid, self.t_enq, self.t_start)
-        if self.t_wait is not None:
-            rec.complete("wait", "collective", self.tid, max(self.t_wait, self.t_start), t_end)
-        rec.release(self.key, self.tid)
+        self.rec.finish(self, _now_us())
 
 
 class _TracedHandle:
@@ -313,8 +326,9 @@ class ObservedCommunicator:
         members: global ranks of the group, in group order (default: ``range(size)``).
     """
 
-    def __init__(self, inner: Communicator, recorder: Recorder | None = None, inspector: Any = None,
-                 cid: str = "w", members: Sequence[int] | None = None) -> None:
+    def __init__(self, inner: Communicator, recorder: Recorder | HorovodRecorder | None = None,
+                 inspector: Any = None, cid: str = "w",
+                 members: Sequence[int] | None = None) -> None:
         object.__setattr__(self, "_inner", inner)
         object.__setattr__(self, "_rec", recorder)
         object.__setattr__(self, "_inspector", inspector)
@@ -358,7 +372,7 @@ class ObservedCommunicator:
             algorithm = getattr(self._inner, "algorithm", None)
             if algorithm is not None and "bytes" in args:
                 args["algorithm"] = algorithm(kind, args["bytes"], args["dtype"])
-        return _Op(self._rec, label, name or kind, args)
+        return _Op(self._rec, kind, name, label, name or kind, args)
 
     def _sync(self, op: _Op, call: Callable[[], Any]) -> Any:
         """A call with no handle: one event, no nested phases (start is not visible)."""
@@ -445,12 +459,12 @@ class ObservedCommunicator:
 
     # -- point to point (timeline only: not matched across ranks by the inspector) ------------
     def send(self, tensor: Tensor, dest: int, tag: int = 0) -> None:
-        op = _Op(self._rec, f"send to {dest}", f"send->{dest}", {"tag": tag, **(
+        op = _Op(self._rec, "send", None, f"send to {dest}", f"send->{dest}", {"tag": tag, **(
             _describe(tensor) if self._rec is not None else {})})
         self._sync(op, lambda: self._inner.send(tensor, dest, tag))
 
     def recv(self, like: Tensor, source: int, tag: int = 0) -> Tensor:
-        op = _Op(self._rec, f"recv from {source}", f"recv<-{source}", {"tag": tag, **(
+        op = _Op(self._rec, "recv", None, f"recv from {source}", f"recv<-{source}", {"tag": tag, **(
             _describe(like) if self._rec is not None else {})})
         return self._sync(op, lambda: self._inner.recv(like, source, tag))
 
@@ -503,7 +517,10 @@ def maybe_wrap(comm: Communicator, env: Mapping[str, str] | None = None) -> Comm
     Args:
         comm: the world communicator just created by ``plait.init``.
         env: where to read ``PLAIT_TIMELINE``, ``PLAIT_STALL_WARNING`` and
-            ``PLAIT_STALL_SHUTDOWN`` (default ``os.environ``).
+            ``PLAIT_STALL_SHUTDOWN``, and on the MPI backend ``HOROVOD_TIMELINE`` and
+            ``HOROVOD_TIMELINE_MARK_CYCLES`` (Horovod's timeline, see
+            :mod:`plait.collectives.horovod_timeline`; ``PLAIT_TIMELINE`` wins when both
+            are set) (default ``os.environ``).
 
     Returns:
         An :class:`ObservedCommunicator`, or ``comm`` unchanged.
@@ -513,19 +530,38 @@ def maybe_wrap(comm: Communicator, env: Mapping[str, str] | None = None) -> Comm
     """
     env = os.environ if env is None else env
     path = env.get("PLAIT_TIMELINE", "")
+    horovod = env.get("HOROVOD_TIMELINE", "") if comm.backend == "mpi" and not path else ""
     warning = _seconds(env, "PLAIT_STALL_WARNING")
     shutdown = _seconds(env, "PLAIT_STALL_SHUTDOWN")
-    if not path and warning <= 0:
+    if not path and not horovod and warning <= 0:
         return comm
-    recorder = Recorder.for_path(path, comm.rank, comm.size) if path else None
+    recorder: Recorder | HorovodRecorder | None = None
+    if path:
+        recorder = Recorder.for_path(path, comm.rank, comm.size)
+    elif horovod:
+        marks = env.get("HOROVOD_TIMELINE_MARK_CYCLES", "").strip().lower() in ("1", "true", "yes")
+        recorder = HorovodRecorder(None if horovod == DYNAMIC else horovod, comm.rank, marks)
     inspector = None
     if warning > 0:
         from . import stall
 
         inspector = stall.StallInspector.create(comm, warning, shutdown)
-    if recorder is None and inspector is None:
-        return comm
     return ObservedCommunicator(comm, recorder, inspector)  # type: ignore[return-value]
+
+
+def horovod_recorder(comm: Communicator) -> HorovodRecorder:
+    """The recorder of Horovod's timeline observing ``comm`` (see :func:`maybe_wrap`),
+    for ``hvd.start_timeline`` / ``hvd.stop_timeline`` on the MPI backend.
+
+    Raises:
+        ConfigError: (a ``ValueError``, as Horovod raises) when ``HOROVOD_TIMELINE`` was
+            not set before ``init``.
+    """
+    rec = comm._rec if isinstance(comm, ObservedCommunicator) else None
+    if not isinstance(rec, HorovodRecorder):
+        raise ConfigError("Set HOROVOD_TIMELINE=DYNAMIC to enable dynamic timeline usage "
+                          "(before init; plait's own timeline is PLAIT_TIMELINE)")
+    return rec
 
 
 def _main(argv: Sequence[str]) -> int:

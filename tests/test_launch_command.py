@@ -259,3 +259,19 @@ def test_sigterm_is_forwarded(tmp_path: Path) -> None:
             proc.kill()
             raise
     assert rc == 128 + signal.SIGTERM
+
+
+def test_horovodrun_timeline_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """horovodrun's ``--timeline-filename`` / ``--timeline-mark-cycles`` set Horovod's variables
+    on every rank (Horovod writes the file on its backend, plait on the MPI backend)."""
+    monkeypatch.chdir(tmp_path)
+    argv = dry_run(capsys, "-np", "2", "--timeline-filename", "hv.json", "--timeline-mark-cycles",
+                   "--", "x")
+    assert f"HOROVOD_TIMELINE={tmp_path / 'hv.json'}" in argv
+    assert argv[argv.index("HOROVOD_TIMELINE_MARK_CYCLES=1") - 1] == "-x"
+    argv = dry_run(capsys, "--launcher", "horovodrun", "--timeline-filename", "hv.json", "--", "x")
+    assert f"HOROVOD_TIMELINE={tmp_path / 'hv.json'}" in argv[: argv.index("horovodrun")]
+    assert not any("MARK_CYCLES" in a for a in argv)
+    assert main(["--timeline-filename", " ", "--", "x"]) == 2
+    assert "--timeline-filename" in capsys.readouterr().err

@@ -437,28 +437,32 @@ class Face:
         return bool(getattr(runtime.world(), "homogeneous", True))
 
     def start_timeline(self, file_path: str, mark_cycles: bool = False) -> None:
-        """Horovod's dynamic timeline: on the Horovod backend, Horovod's own (it needs
-        ``HOROVOD_TIMELINE=DYNAMIC``, as in Horovod).
+        """Horovod's dynamic timeline: start writing ``file_path`` (rank 0), as Horovod
+        does; it needs ``HOROVOD_TIMELINE=DYNAMIC`` set before ``init``, as in Horovod. On
+        the Horovod backend Horovod writes it, on the MPI backend plait in Horovod's
+        layout (:mod:`plait.collectives.horovod_timeline`).
 
         Raises:
-            NotImplementedError: on the MPI backend, whose timeline is set at start
-                (``PLAIT_TIMELINE=path.json`` or ``plait run --timeline``).
+            ValueError: when ``HOROVOD_TIMELINE`` was not set before ``init``.
         """
         if self._backend_name() == "mpi":
-            raise NotImplementedError(
-                "start_timeline() on the MPI backend: plait's timeline is chosen at start; "
-                "set PLAIT_TIMELINE=path.json (or `plait run --timeline`) instead")
+            from plait.collectives.timeline import horovod_recorder
+
+            horovod_recorder(runtime.world()).start(file_path, mark_cycles)
+            return
         self._horovod().start_timeline(file_path, mark_cycles)
 
     def stop_timeline(self) -> None:
-        """Stop Horovod's dynamic timeline (see :meth:`start_timeline`).
+        """End the timeline started by :meth:`start_timeline` (the file stays).
 
         Raises:
-            NotImplementedError: on the MPI backend.
+            ValueError: as :meth:`start_timeline`.
         """
         if self._backend_name() == "mpi":
-            raise NotImplementedError("stop_timeline() on the MPI backend: plait's timeline "
-                                      "runs for the whole job (PLAIT_TIMELINE)")
+            from plait.collectives.timeline import horovod_recorder
+
+            horovod_recorder(runtime.world()).stop()
+            return
         self._horovod().stop_timeline()
 
     def join(self, device: int = -1) -> int:

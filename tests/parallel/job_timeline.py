@@ -2,6 +2,8 @@
 
 ``::test_timeline_records_collectives`` (with ``PLAIT_TIMELINE`` set) makes a known sequence of
 collectives on both backends; the outer test checks the merged file.
+``::test_horovod_timeline_layout`` (same launch): ``HOROVOD_TIMELINE`` on the MPI backend
+writes Horovod's layout on rank 0, flushed after each collective, and its dynamic form.
 ``::test_stall_inspector_names_the_missing_rank`` (with ``PLAIT_STALL_WARNING`` and
 ``PLAIT_STALL_SHUTDOWN`` set): rank 1 never submits a tensor; rank 0's inspector must
 name it and end the job.
@@ -9,10 +11,12 @@ name it and end the job.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 
 import numpy as np
+import pytest
 from conftest import backends, make_comm
 
 
@@ -45,6 +49,52 @@ def test_timeline_records_collectives():
         comm.barrier()
     rec = Recorder._open[os.environ["PLAIT_TIMELINE"]]
     rec.close()
+
+
+def test_horovod_timeline_layout():
+    from plait.collectives.mpi import MPI, MPICommunicator
+    from plait.collectives.timeline import horovod_recorder, maybe_wrap
+
+    path = os.environ["PLAIT_TIMELINE"] + ".horovod"
+    env = {"HOROVOD_TIMELINE": path, "HOROVOD_TIMELINE_MARK_CYCLES": "1"}
+    comm = maybe_wrap(MPICommunicator(MPI.COMM_WORLD.Dup(), timeout=60), env=env)
+    x = np.arange(3, dtype=np.float32)
+    comm.allreduce(x, op="sum", name="test_allreduce")
+    comm.allreduce(np.ones(100_000, np.float32), op="sum")
+    assert comm.allgather(x, name="g").shape == (6,)
+    if comm.rank == 0:  # readable while the job runs, as Horovod's is
+        text = open(path).read()
+        for word in ("allreduce.test_allreduce", "allreduce.noname.1", "allgather.g",
+                     "NEGOTIATE_ALLREDUCE", '"ALLREDUCE"', "NEGOTIATE_ALLGATHER", "CYCLE_START"):
+            assert word in text, (word, text)
+    assert horovod_recorder(comm).active == (comm.rank == 0)  # rank 0 writes it alone
+    horovod_recorder(comm).stop()
+    if comm.rank == 0:
+        events = json.loads(open(path).read())
+        names = {e["pid"]: e["args"]["name"] for e in events if e.get("name") == "process_name"
+                 and "name" in e["args"]}
+        assert sorted(names.values()) == ["allgather.g", "allreduce.noname.1",
+                                          "allreduce.test_allreduce"]
+        for pid in names:  # per tensor: negotiation, then the op with one nested activity
+            mine = [e for e in events if e.get("pid") == pid and e["ph"] in "BE"]
+            assert [e.get("name", "E") for e in mine][:2] == [
+                f"NEGOTIATE_{names[pid].split('.')[0].upper()}", "E"]
+            assert [e["ph"] for e in mine] == ["B", "E", "B", "B", "E", "E"]
+            assert [e["ts"] for e in mine] == sorted(e["ts"] for e in mine)
+    # dynamic: nothing recorded until start_timeline, nothing after stop_timeline
+    dyn = maybe_wrap(MPICommunicator(MPI.COMM_WORLD.Dup(), timeout=60),
+                     env={"HOROVOD_TIMELINE": "DYNAMIC"})
+    dyn.allreduce(x, op="sum", name="before")
+    horovod_recorder(dyn).start(path + ".dyn")
+    dyn.allreduce(x, op="sum", name="during")
+    horovod_recorder(dyn).stop()
+    dyn.allreduce(x, op="sum", name="after")
+    if dyn.rank == 0:
+        text = open(path + ".dyn").read()
+        assert "allreduce.during" in text and "before" not in text and "after" not in text
+    # without HOROVOD_TIMELINE at start there is no dynamic timeline, as in Horovod
+    with pytest.raises(ValueError, match="HOROVOD_TIMELINE=DYNAMIC"):
+        horovod_recorder(make_comm("mpi"))
 
 
 def test_stall_inspector_names_the_missing_rank():

@@ -5,7 +5,8 @@ Usage::
     plait run [-np N] [-H host1:2,host2:2 | --hostfile FILE]
               [--launcher mpirun|horovodrun] [--backend mpi|horovod|auto]
               [--network-interface IF] [--timeout S] [--oversubscribe]
-              [-x VAR]... [--mca KEY VALUE]... [--timeline FILE] [--dry-run]
+              [-x VAR]... [--mca KEY VALUE]... [--timeline FILE]
+              [--timeline-filename FILE [--timeline-mark-cycles]] [--dry-run]
               [--restarts R [--restart-backoff S] [--exclude-after K]]
               [--elastic --min-np N --max-np M --host-discovery-script CMD] -- COMMAND...
 
@@ -47,7 +48,7 @@ import time
 from collections.abc import MutableSequence, Sequence
 from types import FrameType
 
-from plait.errors import ConfigError
+from plait.errors import ConfigError, invalid
 from plait.launch.command import (
     BACKENDS,
     CONTROLLERS,
@@ -164,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", metavar="FILE",
                    help="record every rank's collectives to FILE (Chrome trace; sets "
                         "PLAIT_TIMELINE on every rank)")
+    p.add_argument("--timeline-filename", metavar="FILE",
+                   help="horovodrun's flag: Horovod's timeline in FILE, written by rank 0 "
+                        "(sets HOROVOD_TIMELINE on every rank)")
+    p.add_argument("--timeline-mark-cycles", action="store_true",
+                   help="horovodrun's flag: mark cycles in Horovod's timeline")
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
     p.add_argument("--restarts", type=_count, default=0, metavar="R",
                    help="relaunch a failed job up to R times (it resumes from its checkpoint)")
@@ -239,10 +245,25 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         start_timeout=args.start_timeout,
         oversubscribe=args.oversubscribe,
         tag_output=args.tag_output,
-        env_vars=tuple(args.env_vars),
+        env_vars=tuple(args.env_vars) + horovod_timeline(args),
         mca=mca,
         timeline=args.timeline and os.path.abspath(args.timeline),  # "" stays (and is refused)
     )
+
+
+def horovod_timeline(args: argparse.Namespace) -> tuple[str, ...]:
+    """horovodrun's ``--timeline-filename`` / ``--timeline-mark-cycles`` as ``-x`` entries.
+
+    Raises:
+        ConfigError: when the file name is empty.
+    """
+    if args.timeline_filename is None:
+        return ()
+    if not args.timeline_filename.strip():
+        raise invalid("--timeline-filename", args.timeline_filename,
+                      "a file path (e.g. 'timeline.json')")
+    entries = (f"HOROVOD_TIMELINE={os.path.abspath(args.timeline_filename)}",)
+    return entries + (("HOROVOD_TIMELINE_MARK_CYCLES=1",) if args.timeline_mark_cycles else ())
 
 
 def elastic_policy(args: argparse.Namespace) -> ElasticPolicy | None:
