@@ -509,6 +509,25 @@ def prepare_env(backend: str, env: Any = None) -> None:
             env[theirs] = str(max(1, round(value)))
 
 
+def _on(raw: str | None) -> bool:
+    return (raw or "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _stall_settings(env: Mapping[str, str], backend: str) -> tuple[float, float]:
+    """``(warning, shutdown)`` seconds of the stall inspector (0: off): ``PLAIT_STALL_*``,
+    else on the MPI backend Horovod's settings (``HOROVOD_STALL_CHECK_TIME_SECONDS``,
+    default 60 once either is set, ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``,
+    ``HOROVOD_STALL_CHECK_DISABLE``), which the Horovod backend leaves to Horovod."""
+    warning = _seconds(env, "PLAIT_STALL_WARNING")
+    shutdown = _seconds(env, "PLAIT_STALL_SHUTDOWN")
+    theirs = ("HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
+    if (backend != "mpi" or env.get("PLAIT_STALL_WARNING")
+            or _on(env.get("HOROVOD_STALL_CHECK_DISABLE")) or not any(env.get(k) for k in theirs)):
+        return warning, shutdown
+    warning = _seconds(env, theirs[0]) or 60.0
+    return warning, shutdown or _seconds(env, theirs[1])
+
+
 def maybe_wrap(comm: Communicator, env: Mapping[str, str] | None = None) -> Communicator:
     """``comm`` observed as the environment asks, or ``comm`` itself when nothing is asked.
 
@@ -517,8 +536,8 @@ def maybe_wrap(comm: Communicator, env: Mapping[str, str] | None = None) -> Comm
     Args:
         comm: the world communicator just created by ``plait.init``.
         env: where to read ``PLAIT_TIMELINE``, ``PLAIT_STALL_WARNING`` and
-            ``PLAIT_STALL_SHUTDOWN``, and on the MPI backend ``HOROVOD_TIMELINE`` and
-            ``HOROVOD_TIMELINE_MARK_CYCLES`` (Horovod's timeline, see
+            ``PLAIT_STALL_SHUTDOWN``, and on the MPI backend ``HOROVOD_TIMELINE``,
+            ``HOROVOD_TIMELINE_MARK_CYCLES`` and ``HOROVOD_STALL_*`` (Horovod's timeline, see
             :mod:`plait.collectives.horovod_timeline`; ``PLAIT_TIMELINE`` wins when both
             are set) (default ``os.environ``).
 
@@ -530,16 +549,16 @@ def maybe_wrap(comm: Communicator, env: Mapping[str, str] | None = None) -> Comm
     """
     env = os.environ if env is None else env
     path = env.get("PLAIT_TIMELINE", "")
-    horovod = env.get("HOROVOD_TIMELINE", "") if comm.backend == "mpi" and not path else ""
-    warning = _seconds(env, "PLAIT_STALL_WARNING")
-    shutdown = _seconds(env, "PLAIT_STALL_SHUTDOWN")
+    backend = getattr(comm, "backend", "")
+    horovod = env.get("HOROVOD_TIMELINE", "") if backend == "mpi" and not path else ""
+    warning, shutdown = _stall_settings(env, backend)
     if not path and not horovod and warning <= 0:
         return comm
     recorder: Recorder | HorovodRecorder | None = None
     if path:
         recorder = Recorder.for_path(path, comm.rank, comm.size)
     elif horovod:
-        marks = env.get("HOROVOD_TIMELINE_MARK_CYCLES", "").strip().lower() in ("1", "true", "yes")
+        marks = _on(env.get("HOROVOD_TIMELINE_MARK_CYCLES"))
         recorder = HorovodRecorder(None if horovod == DYNAMIC else horovod, comm.rank, marks)
     inspector = None
     if warning > 0:

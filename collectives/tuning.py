@@ -22,6 +22,9 @@ message size, the dtype and the host layout, overridable by environment variable
 (default 64 KiB). ``PLAIT_ALLGATHER`` (``auto``/``ring``/``mpi``) does the same for
 allgather and broadcast (a broadcast's ring is a pipelined relay from the root).
 
+Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE=1`` (``horovodrun --hierarchical-allreduce``)
+means ``hierarchical`` when ``PLAIT_ALLREDUCE`` is unset.
+
 ``PLAIT_BLOCKING`` (``auto``/``never``): with ``auto`` (default), a synchronous
 collective that Open MPI moves between ranks of one host is a blocking MPI call
 once the header round showed that every rank arrived (over shared memory Open
@@ -99,14 +102,19 @@ class Tuning:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Tuning:
-        """Read ``PLAIT_ALLREDUCE``, ``PLAIT_ALLGATHER``, ``PLAIT_RING_CHUNK_KB``,
+        """Read ``PLAIT_ALLREDUCE`` (unset: Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE=1``
+        means ``hierarchical``), ``PLAIT_ALLGATHER``, ``PLAIT_RING_CHUNK_KB``,
         ``PLAIT_RING_MIN_KB``, ``PLAIT_RING_WINDOW`` and ``PLAIT_BLOCKING``.
 
         Raises:
             ConfigError: for a value outside what the module doc lists.
         """
         env = os.environ if env is None else env
-        return cls(_choice(env, "PLAIT_ALLREDUCE", ALGORITHMS),
+        allreduce = _choice(env, "PLAIT_ALLREDUCE", ALGORITHMS)
+        if not env.get("PLAIT_ALLREDUCE") and env.get(
+                "HOROVOD_HIERARCHICAL_ALLREDUCE", "").strip().lower() in ("1", "true"):
+            allreduce = "hierarchical"  # Horovod's switch (horovodrun --hierarchical-allreduce)
+        return cls(allreduce,
                    _choice(env, "PLAIT_ALLGATHER", ("auto", "ring", "mpi")),
                    _kib(env, "PLAIT_RING_CHUNK_KB", 256), _kib(env, "PLAIT_RING_MIN_KB", 64),
                    _count(env, "PLAIT_RING_WINDOW", 8),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+from plait.collectives.tuning import Tuning
 
 from plait.errors import ConfigError
 from plait.parallel.autotune import CANDIDATES_MB, BucketTuner, bucket_setting, candidates
@@ -16,6 +17,25 @@ def test_a_given_size_is_fixed_and_none_tunes():
     assert bucket_setting(None, 25.0, {"PLAIT_AUTOTUNE": "0"}) == (25.0, False)
     assert bucket_setting(None, 25.0, {"PLAIT_AUTOTUNE_MB": "3,5"}) == (3.0, True)
     assert candidates({"PLAIT_AUTOTUNE_MB": "0, 0.5,2"}) == [0.0, 0.5, 2.0]
+
+
+def test_horovod_settings_are_honoured_where_plait_has_none():
+    """Horovod's knobs (what horovodrun's tuning flags set) mean what they mean in Horovod;
+    plait's own settings win."""
+    mib = str(2**20)
+    assert bucket_setting(None, 25.0, {"HOROVOD_FUSION_THRESHOLD": mib}) == (1.0, False)
+    assert bucket_setting(None, 25.0, {"HOROVOD_FUSION_THRESHOLD": "0"}) == (0.0, False)
+    assert bucket_setting(None, 25.0, {"HOROVOD_FUSION_THRESHOLD": mib,
+                                       "HOROVOD_AUTOTUNE": "1"}) == (CANDIDATES_MB[0], True)
+    assert bucket_setting(None, 25.0, {"HOROVOD_FUSION_THRESHOLD": mib,
+                                       "PLAIT_BUCKET_MB": "3"}) == (3.0, False)
+    assert bucket_setting(2, 25.0, {"HOROVOD_FUSION_THRESHOLD": mib}) == (2.0, False)
+    with pytest.raises(ConfigError, match="HOROVOD_FUSION_THRESHOLD='64MB'"):
+        bucket_setting(None, 25.0, {"HOROVOD_FUSION_THRESHOLD": "64MB"})
+    hier = {"HOROVOD_HIERARCHICAL_ALLREDUCE": "1"}
+    assert Tuning.from_env(hier).allreduce == "hierarchical"
+    assert Tuning.from_env({**hier, "PLAIT_ALLREDUCE": "ring"}).allreduce == "ring"
+    assert Tuning.from_env({"HOROVOD_HIERARCHICAL_ALLREDUCE": "0"}).allreduce == "auto"
 
 
 @pytest.mark.parametrize("arg, env, name", [

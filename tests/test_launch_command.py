@@ -261,17 +261,22 @@ def test_sigterm_is_forwarded(tmp_path: Path) -> None:
     assert rc == 128 + signal.SIGTERM
 
 
-def test_horovodrun_timeline_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                   monkeypatch: pytest.MonkeyPatch) -> None:
-    """horovodrun's ``--timeline-filename`` / ``--timeline-mark-cycles`` set Horovod's variables
-    on every rank (Horovod writes the file on its backend, plait on the MPI backend)."""
+def test_horovodrun_tuning_flags(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """horovodrun's tuning flags set Horovod's variables on every rank, as horovodrun sets
+    them (Horovod reads them on its backend, plait on the MPI backend)."""
     monkeypatch.chdir(tmp_path)
     argv = dry_run(capsys, "-np", "2", "--timeline-filename", "hv.json", "--timeline-mark-cycles",
-                   "--", "x")
-    assert f"HOROVOD_TIMELINE={tmp_path / 'hv.json'}" in argv
-    assert argv[argv.index("HOROVOD_TIMELINE_MARK_CYCLES=1") - 1] == "-x"
+                   "--fusion-threshold-mb", "0.5", "--hierarchical-allreduce",
+                   "--stall-check-warning-time-seconds", "30", "--", "x")
+    for entry in (f"HOROVOD_TIMELINE={tmp_path / 'hv.json'}", "HOROVOD_TIMELINE_MARK_CYCLES=1",
+                  "HOROVOD_FUSION_THRESHOLD=524288", "HOROVOD_HIERARCHICAL_ALLREDUCE=1",
+                  "HOROVOD_STALL_CHECK_TIME_SECONDS=30"):
+        assert argv[argv.index(entry) - 1] == "-x", entry
     argv = dry_run(capsys, "--launcher", "horovodrun", "--timeline-filename", "hv.json", "--", "x")
     assert f"HOROVOD_TIMELINE={tmp_path / 'hv.json'}" in argv[: argv.index("horovodrun")]
-    assert not any("MARK_CYCLES" in a for a in argv)
+    assert not any("MARK_CYCLES" in a or "FUSION" in a for a in argv)
     assert main(["--timeline-filename", " ", "--", "x"]) == 2
     assert "--timeline-filename" in capsys.readouterr().err
+    assert main(["--fusion-threshold-mb", "-1", "--", "x"]) == 2
+    assert "expected a number >= 0" in capsys.readouterr().err

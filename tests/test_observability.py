@@ -29,6 +29,21 @@ def test_bad_stall_setting_names_the_variable(value):
         maybe_wrap(object(), env={"PLAIT_STALL_WARNING": value})  # type: ignore[arg-type]
 
 
+def test_horovod_stall_settings_on_the_mpi_backend():
+    """On the MPI backend Horovod's stall variables start plait's inspector (Horovod's
+    60 s warning once either is set); PLAIT_STALL_* win; the Horovod backend leaves them
+    to Horovod."""
+    from plait.collectives.timeline import _stall_settings
+
+    hv = {"HOROVOD_STALL_CHECK_TIME_SECONDS": "30", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "90"}
+    assert _stall_settings(hv, "mpi") == (30.0, 90.0)
+    assert _stall_settings({"HOROVOD_STALL_SHUTDOWN_TIME_SECONDS": "90"}, "mpi") == (60.0, 90.0)
+    assert _stall_settings({**hv, "HOROVOD_STALL_CHECK_DISABLE": "1"}, "mpi") == (0.0, 0.0)
+    assert _stall_settings({**hv, "PLAIT_STALL_WARNING": "5"}, "mpi") == (5.0, 0.0)
+    assert _stall_settings(hv, "horovod") == (0.0, 0.0)
+    assert _stall_settings({}, "mpi") == (0.0, 0.0)
+
+
 def test_stall_settings_pass_to_horovod():
     env = {"PLAIT_STALL_WARNING": "2.5", "PLAIT_STALL_SHUTDOWN": "30"}
     prepare_env("horovod", env)

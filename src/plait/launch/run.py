@@ -6,7 +6,8 @@ Usage::
               [--launcher mpirun|horovodrun] [--backend mpi|horovod|auto]
               [--network-interface IF] [--timeout S] [--oversubscribe]
               [-x VAR]... [--mca KEY VALUE]... [--timeline FILE]
-              [--timeline-filename FILE [--timeline-mark-cycles]] [--dry-run]
+              [horovodrun's tuning flags: --fusion-threshold-mb MB, --hierarchical-allreduce,
+               --timeline-filename FILE, --stall-check-warning-time-seconds S...] [--dry-run]
               [--restarts R [--restart-backoff S] [--exclude-after K]]
               [--elastic --min-np N --max-np M --host-discovery-script CMD] -- COMMAND...
 
@@ -116,6 +117,16 @@ def _count(text: str) -> int:
     return value
 
 
+def _amount(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a number >= 0")
+    return value
+
+
 def _seconds(text: str) -> float:
     try:
         value = float(text)
@@ -165,11 +176,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--timeline", metavar="FILE",
                    help="record every rank's collectives to FILE (Chrome trace; sets "
                         "PLAIT_TIMELINE on every rank)")
-    p.add_argument("--timeline-filename", metavar="FILE",
-                   help="horovodrun's flag: Horovod's timeline in FILE, written by rank 0 "
-                        "(sets HOROVOD_TIMELINE on every rank)")
-    p.add_argument("--timeline-mark-cycles", action="store_true",
-                   help="horovodrun's flag: mark cycles in Horovod's timeline")
+    h = p.add_argument_group("horovodrun's tuning flags (set HOROVOD_* on every rank; the MPI "
+                             "backend honours fusion, hierarchical allreduce, autotune, timeline "
+                             "and stall check)")
+    h.add_argument("--fusion-threshold-mb", type=_amount, metavar="MB")
+    h.add_argument("--cycle-time-ms", type=_amount, metavar="MS")
+    h.add_argument("--cache-capacity", type=_count, metavar="N")
+    h.add_argument("--hierarchical-allreduce", action="store_true")
+    h.add_argument("--hierarchical-allgather", action="store_true")
+    h.add_argument("--autotune", action="store_true")
+    h.add_argument("--timeline-filename", metavar="FILE",
+                   help="Horovod's timeline, written by rank 0")
+    h.add_argument("--timeline-mark-cycles", action="store_true")
+    h.add_argument("--no-stall-check", action="store_true")
+    h.add_argument("--stall-check-warning-time-seconds", type=_count, metavar="S")
+    h.add_argument("--stall-check-shutdown-time-seconds", type=_count, metavar="S")
+    h.add_argument("--log-level", choices=("TRACE", "DEBUG", "INFO", "WARNING", "ERROR", "FATAL"))
     p.add_argument("--dry-run", action="store_true", help="print the command and exit")
     p.add_argument("--restarts", type=_count, default=0, metavar="R",
                    help="relaunch a failed job up to R times (it resumes from its checkpoint)")
@@ -245,25 +267,47 @@ def spec_from_args(args: argparse.Namespace) -> LaunchSpec:
         start_timeout=args.start_timeout,
         oversubscribe=args.oversubscribe,
         tag_output=args.tag_output,
-        env_vars=tuple(args.env_vars) + horovod_timeline(args),
+        env_vars=tuple(args.env_vars) + horovodrun_settings(args),
         mca=mca,
         timeline=args.timeline and os.path.abspath(args.timeline),  # "" stays (and is refused)
     )
 
 
-def horovod_timeline(args: argparse.Namespace) -> tuple[str, ...]:
-    """horovodrun's ``--timeline-filename`` / ``--timeline-mark-cycles`` as ``-x`` entries.
+#: horovodrun's tuning flags (argparse dest) -> the variable each sets, as horovodrun sets it.
+HOROVODRUN_FLAGS = {
+    "fusion_threshold_mb": "HOROVOD_FUSION_THRESHOLD", "cycle_time_ms": "HOROVOD_CYCLE_TIME",
+    "cache_capacity": "HOROVOD_CACHE_CAPACITY",
+    "hierarchical_allreduce": "HOROVOD_HIERARCHICAL_ALLREDUCE",
+    "hierarchical_allgather": "HOROVOD_HIERARCHICAL_ALLGATHER", "autotune": "HOROVOD_AUTOTUNE",
+    "timeline_filename": "HOROVOD_TIMELINE", "timeline_mark_cycles": "HOROVOD_TIMELINE_MARK_CYCLES",
+    "no_stall_check": "HOROVOD_STALL_CHECK_DISABLE",
+    "stall_check_warning_time_seconds": "HOROVOD_STALL_CHECK_TIME_SECONDS",
+    "stall_check_shutdown_time_seconds": "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS",
+    "log_level": "HOROVOD_LOG_LEVEL",
+}
+
+
+def horovodrun_settings(args: argparse.Namespace) -> tuple[str, ...]:
+    """horovodrun's tuning flags given to ``plait run`` as ``-x NAME=VALUE`` entries.
 
     Raises:
-        ConfigError: when the file name is empty.
+        ConfigError: when ``--timeline-filename`` is empty.
     """
-    if args.timeline_filename is None:
-        return ()
-    if not args.timeline_filename.strip():
-        raise invalid("--timeline-filename", args.timeline_filename,
-                      "a file path (e.g. 'timeline.json')")
-    entries = (f"HOROVOD_TIMELINE={os.path.abspath(args.timeline_filename)}",)
-    return entries + (("HOROVOD_TIMELINE_MARK_CYCLES=1",) if args.timeline_mark_cycles else ())
+    entries = []
+    for dest, name in HOROVODRUN_FLAGS.items():
+        value = getattr(args, dest)
+        if value is None or value is False:
+            continue
+        if dest == "timeline_filename":
+            if not value.strip():
+                raise invalid("--timeline-filename", value, "a file path (e.g. 'timeline.json')")
+            value = os.path.abspath(value)
+        elif dest == "fusion_threshold_mb":
+            value = int(value * 2**20)
+        elif value is True:
+            value = 1
+        entries.append(f"{name}={value}")
+    return tuple(entries)
 
 
 def elastic_policy(args: argparse.Namespace) -> ElasticPolicy | None:

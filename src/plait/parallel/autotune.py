@@ -13,11 +13,13 @@ an ``autotune`` event. Bucket size never changes the result: buckets only group
 elementwise reductions.
 
 Settings: ``bucket_mb=`` (a number) or ``PLAIT_BUCKET_MB`` fixes the size (no
-tuning); ``PLAIT_AUTOTUNE=0`` turns tuning off (the default size is used);
+tuning), and so does Horovod's ``HOROVOD_FUSION_THRESHOLD`` (bytes; what
+``horovodrun --fusion-threshold-mb`` sets) unless ``HOROVOD_AUTOTUNE=1``;
+``PLAIT_AUTOTUNE=0`` turns tuning off (the default size is used);
 ``PLAIT_AUTOTUNE_STEPS`` is the number of timed steps per candidate (default 2);
 ``PLAIT_AUTOTUNE_MB`` the comma-separated candidate sizes in MiB (default
 ``1,4,16,64``). Every rank must use the same settings (``plait run`` forwards
-``PLAIT_*``).
+``PLAIT_*`` and ``HOROVOD_*``).
 """
 
 from __future__ import annotations
@@ -47,6 +49,17 @@ def _number(env: Mapping[str, str], name: str) -> float | None:
     return value
 
 
+def _fusion_threshold_mb(env: Mapping[str, str]) -> float | None:
+    """Horovod's ``HOROVOD_FUSION_THRESHOLD`` (bytes) in MiB, or None when unset."""
+    raw = env.get("HOROVOD_FUSION_THRESHOLD", "").strip()
+    if raw == "":
+        return None
+    if not raw.isdigit():
+        raise invalid("HOROVOD_FUSION_THRESHOLD", raw,
+                      "a whole number of bytes >= 0 (0: one gradient per bucket)")
+    return int(raw) / 2**20
+
+
 def bucket_setting(bucket_mb: float | None, default_mb: float,
                    env: Mapping[str, str] | None = None) -> tuple[float, bool]:
     """Resolve the bucket size setting.
@@ -61,7 +74,7 @@ def bucket_setting(bucket_mb: float | None, default_mb: float,
 
     Raises:
         ConfigError: for a negative ``bucket_mb``, a bad ``PLAIT_BUCKET_MB``,
-            ``PLAIT_AUTOTUNE`` or ``PLAIT_AUTOTUNE_STEPS``.
+            ``HOROVOD_FUSION_THRESHOLD``, ``PLAIT_AUTOTUNE`` or ``PLAIT_AUTOTUNE_STEPS``.
     """
     env = os.environ if env is None else env
     if bucket_mb is not None:
@@ -72,6 +85,9 @@ def bucket_setting(bucket_mb: float | None, default_mb: float,
     fixed = _number(env, "PLAIT_BUCKET_MB")
     if fixed is not None:
         return fixed, False
+    fusion = _fusion_threshold_mb(env)
+    if fusion is not None and env.get("HOROVOD_AUTOTUNE", "").strip().lower() not in ("1", "true"):
+        return fusion, False
     raw = env.get("PLAIT_AUTOTUNE", "1").strip().lower()
     if raw not in ("0", "1", "false", "true", "off", "on", "no", "yes", ""):
         raise invalid("PLAIT_AUTOTUNE", raw, "1/on (default) or 0/off")
