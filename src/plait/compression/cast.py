@@ -10,11 +10,10 @@ from collections.abc import Sequence
 from typing import Any
 
 from plait.adapters import ops_for
-from plait.collectives.pool import BufferPool
 from plait.errors import PlaitTypeError
 from plait.protocols import Tensor
 
-from .base import FLOATS, Compressor, Context
+from .base import FLOATS, Compressor, Context, Pooled
 
 __all__ = ["BF16", "FP16", "NoneCompressor"]
 
@@ -34,32 +33,18 @@ class NoneCompressor(Compressor):
         return payload[0]
 
 
-class _Cast(Compressor):
-    """Send a floating tensor cast to a 16-bit dtype; decode casts back.
-
-    Both casts of a torch CPU tensor write into buffers this compressor reuses once
-    nothing refers to them any more (a fresh 43 MB tensor costs ~20 ms of page faults
-    here; see :class:`~plait.collectives.pool.BufferPool`), so a result kept by the
-    caller is never overwritten.
-    """
+class _Cast(Pooled, Compressor):
+    """Send a floating tensor cast to a 16-bit dtype; decode casts back (both casts of a
+    torch CPU tensor into pooled buffers, see :class:`~plait.compression.base.Pooled`)."""
 
     summable = True
     graph_safe = True
     wire_dtype = "float16"
-    _pool: BufferPool | None = None
 
     def _cast(self, x: Tensor, dtype: str) -> Tensor:
         ops = ops_for(x)
         pooled = getattr(ops, "cast_pooled", None)
-        if pooled is None:
-            return ops.cast(x, dtype)
-        if self._pool is None:
-            self._pool = BufferPool()
-        return pooled(x, dtype, self._pool)
-
-    def __getstate__(self) -> dict[str, Any]:
-        """Copies and pickles leave the buffers behind (the pool holds a lock)."""
-        return {k: v for k, v in self.__dict__.items() if k != "_pool"}
+        return ops.cast(x, dtype) if pooled is None else pooled(x, dtype, self._buffers())
 
     def compress(self, tensor: Tensor, name: str) -> tuple[list[Tensor], Any]:
         """Cast ``tensor`` to the wire dtype.

@@ -18,10 +18,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from plait.adapters import ops_for
+from plait.collectives.pool import BufferPool
 from plait.errors import invalid
 from plait.protocols import Tensor, TensorOps
 
-from .base import Compressor, Context, SeedStream, check_ratio, prepare, restore
+from .base import Compressor, Context, Pooled, SeedStream, check_ratio, prepare, restore
 
 __all__ = ["RandomK", "Threshold", "TopK"]
 
@@ -35,13 +36,21 @@ def _index_dtype(n: int) -> str:
     return "int32" if n < 2**31 else "int64"
 
 
-def _dense(ops: TensorOps, values: Tensor, indices: Tensor, ctx: Context) -> Tensor:
-    return restore(ops, ops.scatter(ops.cast(indices, "int64"), values, ctx.numel), ctx)
+def _dense(ops: TensorOps, values: Tensor, indices: Tensor, ctx: Context,
+           pool: BufferPool | None = None) -> Tensor:
+    """``values`` scattered at ``indices`` into zeros of ``ctx``'s shape (into a buffer of
+    ``pool`` where the framework offers it)."""
+    pooled = getattr(ops, "scatter_pooled", None) if pool is not None else None
+    positions = ops.cast(indices, "int64")
+    dense = (ops.scatter(positions, values, ctx.numel) if pooled is None
+             else pooled(positions, values, ctx.numel, pool))
+    return restore(ops, dense, ctx)
 
 
-class _Positional(Compressor):
+class _Positional(Pooled, Compressor):
     """A payload of ``[values, positions]``: every rank's, concatenated, is scattered
-    into one dense tensor (duplicate positions add up, in rank order)."""
+    into one dense tensor (duplicate positions add up, in rank order; a pooled one for
+    torch CPU tensors, see :class:`~plait.compression.base.Pooled`)."""
 
     def residual(self, tensor: Tensor, payload: Sequence[Tensor], ctx: Any,
                  inplace: bool = False) -> Tensor:
@@ -59,7 +68,7 @@ class _Positional(Compressor):
                         average: bool) -> Tensor:
         ops = ops_for(gathered[0])
         values = gathered[0] / len(counts) if average else gathered[0]  # the few sent, not the dense sum
-        return restore(ops, ops.scatter(ops.cast(gathered[1], "int64"), values, ctx.numel), ctx)
+        return _dense(ops, values, gathered[1], ctx, self._buffers())
 
 
 class TopK(_Positional):
@@ -96,10 +105,10 @@ class TopK(_Positional):
 
     def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
         """Scatter the values to their positions in a zero tensor."""
-        return _dense(ops_for(payload[0]), payload[0], payload[1], ctx)
+        return _dense(ops_for(payload[0]), payload[0], payload[1], ctx, self._buffers())
 
 
-class RandomK(Compressor):
+class RandomK(Pooled, Compressor):
     """Send the ``ratio`` fraction of elements at random positions that all ranks share.
 
     Positions are drawn from ``(seed, name, step)``, so every rank picks the same
@@ -152,7 +161,7 @@ class RandomK(Compressor):
 
     def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
         """Scatter the (possibly summed) values to the shared positions."""
-        return _dense(ops_for(payload[0]), payload[0], ctx.extra, ctx)
+        return _dense(ops_for(payload[0]), payload[0], ctx.extra, ctx, self._buffers())
 
 
 class Threshold(_Positional):
@@ -191,4 +200,4 @@ class Threshold(_Positional):
 
     def decompress(self, payload: Sequence[Tensor], ctx: Any) -> Tensor:
         """Scatter the values to their positions in a zero tensor."""
-        return _dense(ops_for(payload[0]), payload[0], payload[1], ctx)
+        return _dense(ops_for(payload[0]), payload[0], payload[1], ctx, self._buffers())
