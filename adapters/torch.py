@@ -241,6 +241,14 @@ class TorchOps:
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         return a @ b
 
+    def matmul_pooled(self, a: torch.Tensor, b: torch.Tensor, pool: Any) -> torch.Tensor:
+        """``a @ b`` (2-d) into a buffer of ``pool`` on the CPU (see :meth:`cast_pooled`)."""
+        if a.device.type != "cpu" or a.dim() != 2 or b.dim() != 2 or a.dtype != b.dtype:
+            return a @ b
+        raw = pool.empty((a.shape[0] * b.shape[1] * a.dtype.itemsize,), np.dtype(np.uint8))
+        out = torch.from_numpy(raw).view(a.dtype).view(a.shape[0], b.shape[1])
+        return torch.matmul(a, b, out=out)
+
     def qr(self, x: torch.Tensor) -> torch.Tensor:
         q, _ = torch.linalg.qr(x)
         return q

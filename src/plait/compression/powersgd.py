@@ -24,7 +24,7 @@ from plait.adapters import ops_for
 from plait.errors import invalid
 from plait.protocols import Communicator, Tensor, TensorOps
 
-from .base import Compressor, Context, SeedStream, compute_dtype, nbytes, prepare, restore
+from .base import Compressor, Context, Pooled, SeedStream, compute_dtype, nbytes, prepare, restore
 
 __all__ = ["PowerSGD"]
 
@@ -35,7 +35,7 @@ def _left(ops: TensorOps, p: Tensor, mat: Tensor) -> Tensor:
     return ops.transpose(ops.matmul(ops.transpose(p), mat))
 
 
-class PowerSGD(Compressor):
+class PowerSGD(Pooled, Compressor):
     """Low-rank compression by power iteration, with warm-started ``Q`` per tensor.
 
     Payload: ``[P (n*r), Q (m*r)]`` flattened, or ``[tensor]`` for tensors sent as they are.
@@ -112,7 +112,10 @@ class PowerSGD(Compressor):
         n, m, r = ctx.extra
         p = ops.reshape(payload[0], [n, r])
         q = ops.reshape(payload[1], [m, r])
-        return restore(ops, ops.matmul(p, ops.transpose(q)), ctx)
+        pooled = getattr(ops, "matmul_pooled", None)  # a pooled buffer for torch on the CPU
+        dense = (ops.matmul(p, ops.transpose(q)) if pooled is None
+                 else pooled(p, ops.transpose(q), self._buffers()))
+        return restore(ops, dense, ctx)
 
     # -- over a communicator -------------------------------------------------------------
     def exchange(
