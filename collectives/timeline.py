@@ -514,18 +514,18 @@ def _on(raw: str | None) -> bool:
 
 
 def _stall_settings(env: Mapping[str, str], backend: str) -> tuple[float, float]:
-    """``(warning, shutdown)`` seconds of the stall inspector (0: off): ``PLAIT_STALL_*``,
-    else on the MPI backend Horovod's settings (``HOROVOD_STALL_CHECK_TIME_SECONDS``,
-    default 60 once either is set, ``HOROVOD_STALL_SHUTDOWN_TIME_SECONDS``,
-    ``HOROVOD_STALL_CHECK_DISABLE``), which the Horovod backend leaves to Horovod."""
+    """``(warning, shutdown)`` seconds of the stall inspector (0: off): ``PLAIT_STALL_*``;
+    on the MPI backend with ``PLAIT_STALL_WARNING`` unset, Horovod's warning
+    (``HOROVOD_STALL_CHECK_TIME_SECONDS``, unless ``HOROVOD_STALL_CHECK_DISABLE``), which
+    the Horovod backend leaves to Horovod. Horovod's shutdown time is not taken: past it
+    Horovod fails the stalled operations and the ranks go on, where plait's shutdown
+    ends the job."""
     warning = _seconds(env, "PLAIT_STALL_WARNING")
     shutdown = _seconds(env, "PLAIT_STALL_SHUTDOWN")
-    theirs = ("HOROVOD_STALL_CHECK_TIME_SECONDS", "HOROVOD_STALL_SHUTDOWN_TIME_SECONDS")
-    if (backend != "mpi" or env.get("PLAIT_STALL_WARNING")
-            or _on(env.get("HOROVOD_STALL_CHECK_DISABLE")) or not any(env.get(k) for k in theirs)):
-        return warning, shutdown
-    warning = _seconds(env, theirs[0]) or 60.0
-    return warning, shutdown or _seconds(env, theirs[1])
+    if (backend == "mpi" and not env.get("PLAIT_STALL_WARNING")
+            and not _on(env.get("HOROVOD_STALL_CHECK_DISABLE"))):
+        warning = _seconds(env, "HOROVOD_STALL_CHECK_TIME_SECONDS")
+    return warning, shutdown
 
 
 def maybe_wrap(comm: Communicator, env: Mapping[str, str] | None = None) -> Communicator:
@@ -537,7 +537,7 @@ def maybe_wrap(comm: Communicator, env: Mapping[str, str] | None = None) -> Comm
         comm: the world communicator just created by ``plait.init``.
         env: where to read ``PLAIT_TIMELINE``, ``PLAIT_STALL_WARNING`` and
             ``PLAIT_STALL_SHUTDOWN``, and on the MPI backend ``HOROVOD_TIMELINE``,
-            ``HOROVOD_TIMELINE_MARK_CYCLES`` and ``HOROVOD_STALL_*`` (Horovod's timeline, see
+            ``HOROVOD_TIMELINE_MARK_CYCLES`` and ``HOROVOD_STALL_CHECK_*`` (Horovod's timeline, see
             :mod:`plait.collectives.horovod_timeline`; ``PLAIT_TIMELINE`` wins when both
             are set) (default ``os.environ``).
 
