@@ -316,6 +316,11 @@ def _failed_precondition(out: tf.Tensor) -> tf.Tensor:
     return tf.where(tf.equal(read, 0), out, out)  # a data dependency: it runs
 
 
+def is_legacy_optimizer(optimizer: Any) -> bool:
+    """Whether ``optimizer`` is a TF1 ``tf.compat.v1.train.Optimizer``."""
+    return isinstance(optimizer, tf.compat.v1.train.Optimizer)
+
+
 def executing_eagerly() -> bool:
     """Whether TensorFlow executes eagerly here (False while a graph is built)."""
     return bool(tf.executing_eagerly())

@@ -14,7 +14,7 @@ from typing import Any
 
 from . import runtime
 from ._face_compression import to_plait
-from ._process_sets import communicator, init_process_sets
+from ._process_sets import communicator, init_process_sets, note_dynamic_env
 from .errors import ConfigError, invalid
 from .protocols import Communicator, Handle
 
@@ -298,6 +298,7 @@ class Face:
         if comm is not None:
             raise invalid("comm", comm, "None: plait.torch.init() always starts on all ranks; "
                           "make sub-groups with process_sets= or plait.world().split(color, key)")
+        note_dynamic_env()
         runtime.init(backend, framework=self.framework, **kwargs)
         init_process_sets(process_sets)
 

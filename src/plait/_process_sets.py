@@ -18,7 +18,8 @@ from .errors import ConfigError, PlaitTypeError
 from .protocols import Communicator
 
 __all__ = ["ProcessSet", "add_process_set", "communicator", "global_process_set",
-           "included", "init_process_sets", "remove_process_set"]
+           "ids_and_ranks", "included", "init_process_sets", "note_dynamic_env",
+           "remove_process_set", "set_size"]
 
 
 class ProcessSet:
@@ -46,6 +47,8 @@ class ProcessSet:
             raise PlaitTypeError(f"invalid ProcessSet({values!r}): expected a list of int ranks")
         self.ranks: list[int] = sorted(values)
         self.process_set_id: int | None = None
+        #: Horovod's attribute for a set built from an MPI communicator: always None here.
+        self.mpi_comm: Any = None
         self._comm: Communicator | None = None
 
     def size(self) -> int | None:
@@ -79,7 +82,8 @@ class ProcessSet:
         return runtime.world().rank in self.ranks
 
     def __str__(self) -> str:
-        return f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks})"
+        return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "
+                f"mpi_comm={self.mpi_comm})")
 
     __repr__ = __str__
 
@@ -89,9 +93,17 @@ class _Registry:
 
     def __init__(self) -> None:
         self.sets: dict[int, ProcessSet] = {}
-        self.next_id = 1
         self.dynamic = False
+        #: The user's HOROVOD_DYNAMIC_PROCESS_SETS, as Horovod reads it: when it starts.
+        self.env_dynamic = os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") == "1"
         self.world: Communicator | None = None
+
+    def free_id(self) -> int:
+        """The smallest unused id (Horovod reuses the ids of removed sets)."""
+        ps_id = 1
+        while ps_id in self.sets:
+            ps_id += 1
+        return ps_id
 
     def reset(self, world: Communicator) -> None:
         if self.world is not world:
@@ -102,32 +114,58 @@ class _Registry:
 
 
 _REG = _Registry()
-#: The user's HOROVOD_DYNAMIC_PROCESS_SETS, read before the Horovod backend sets it for itself.
-_ENV_DYNAMIC = os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") == "1"
 
 #: Every rank (Horovod's ``hvd.global_process_set``, id 0).
 global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
 
-def _register(ps: ProcessSet) -> ProcessSet:
-    world = runtime.world()
-    _REG.reset(world)
+def _check(ps: ProcessSet, world: Communicator, others: Sequence[ProcessSet] = ()) -> None:
+    """Raise ConfigError unless ``ps`` can be registered next to the registered sets and
+    ``others`` (local checks only, so every rank decides alike)."""
     bad = [r for r in ps.ranks if not 0 <= r < world.size]
     if not ps.ranks or bad or len(set(ps.ranks)) != len(ps.ranks):
         raise ConfigError(f"invalid process set ranks={ps.ranks!r}: expected distinct global ranks "
                           f"in [0, {world.size}), at least one")
-    if ps.ranks == list(range(world.size)) or any(s.ranks == ps.ranks for s in _REG.sets.values()):
+    if ps.ranks == list(range(world.size)) or any(
+            s.ranks == ps.ranks for s in (*_REG.sets.values(), *others)):
         raise ConfigError(f"Attempted to add a duplicate process set: {ps}")
     if ps.process_set_id is not None:
         raise ConfigError(f"{ps} is already registered")
+
+
+def _register(ps: ProcessSet) -> ProcessSet:
+    world = runtime.world()
+    _REG.reset(world)
+    _check(ps, world)
     member = world.rank in ps.ranks
     sub = world.split(0 if member else 1, world.rank)  # collective over every rank
     ps._comm = sub if member else None
-    ps.process_set_id = _REG.next_id
-    _REG.next_id += 1
+    ps.process_set_id = _REG.free_id()
     _REG.sets[ps.process_set_id] = ps
     return ps
+
+
+def note_dynamic_env() -> None:
+    """Read ``HOROVOD_DYNAMIC_PROCESS_SETS`` when plait starts, as Horovod reads it when it
+    starts (a script may set it after importing the face; plait's Horovod backend sets it
+    for itself once started). Call before ``runtime.init``."""
+    if not runtime.is_initialized():
+        _REG.env_dynamic = os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") == "1"
+
+
+def ids_and_ranks() -> dict[int, list[int]]:
+    """Every registered process set's global ranks by id, the global set (0) first
+    (Horovod's internal ``_basics._get_process_set_ids_and_ranks()``).
+
+    Returns:
+        ``{process_set_id: ranks}``.
+    """
+    world = runtime.world()
+    _REG.reset(world)
+    out = {0: list(range(world.size))}
+    out.update((ps_id, list(ps.ranks)) for ps_id, ps in sorted(_REG.sets.items()))
+    return out
 
 
 def init_process_sets(process_sets: Any) -> None:
@@ -138,7 +176,8 @@ def init_process_sets(process_sets: Any) -> None:
         process_sets: None, ``"dynamic"`` or a list of :class:`ProcessSet`.
 
     Raises:
-        ConfigError: for a duplicate or invalid set, or another kind of value.
+        ConfigError: for a duplicate or invalid set, or another kind of value (Horovod's
+            ``ValueError``); then none of the sets is registered.
     """
     world = runtime.world()
     _REG.reset(world)
@@ -151,9 +190,12 @@ def init_process_sets(process_sets: Any) -> None:
                               "or a list of ProcessSet")
         _REG.dynamic = True
         return
+    process_sets = list(process_sets)
     for i, ps in enumerate(process_sets):
         if not isinstance(ps, ProcessSet):
             raise ConfigError(f"invalid process_sets[{i}]={ps!r}: expected a ProcessSet")
+        _check(ps, world, process_sets[:i])
+    for ps in process_sets:
         _register(ps)
 
 
@@ -171,7 +213,7 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
             ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` is set), as in Horovod; for a duplicate
             or invalid set.
     """
-    if not (_REG.dynamic or _ENV_DYNAMIC):
+    if not (_REG.dynamic or _REG.env_dynamic):
         raise ConfigError("add_process_set needs dynamic process sets: call "
                           "hvd.init(process_sets='dynamic') or set HOROVOD_DYNAMIC_PROCESS_SETS=1")
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
@@ -225,16 +267,43 @@ def communicator(process_set: Any) -> tuple[Communicator, list[int] | None]:
     return process_set._comm, process_set.ranks
 
 
+def _lookup(process_set_id: int) -> ProcessSet:
+    ps = _REG.sets.get(process_set_id)
+    if ps is None:
+        raise ConfigError(f"invalid process_set_id={process_set_id!r}: expected 0 or the id of a "
+                          f"registered process set ({sorted(_REG.sets)})")
+    return ps
+
+
 def included(process_set_id: int) -> bool:
     """Whether this process is in the registered process set ``process_set_id``.
+
+    Args:
+        process_set_id: 0 (every rank) or a registered set's id.
+
+    Returns:
+        Whether this process is a member.
 
     Raises:
         ConfigError: for an id that is not registered.
     """
     if process_set_id == 0:
         return True
-    ps = _REG.sets.get(process_set_id)
-    if ps is None:
-        raise ConfigError(f"invalid process_set_id={process_set_id!r}: expected 0 or the id of a "
-                          f"registered process set ({sorted(_REG.sets)})")
-    return bool(ps.included())
+    return bool(_lookup(process_set_id).included())
+
+
+def set_size(process_set_id: int) -> int:
+    """The number of ranks in the registered process set ``process_set_id``.
+
+    Args:
+        process_set_id: 0 (every rank) or a registered set's id.
+
+    Returns:
+        Its size (also on ranks that are not members, as in Horovod).
+
+    Raises:
+        ConfigError: for an id that is not registered.
+    """
+    if process_set_id == 0:
+        return runtime.world().size
+    return len(_lookup(process_set_id).ranks)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 import types
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 from plait.adapters import tf_optim
 from plait.adapters.keras_syncbn import SyncBatchNormalization
@@ -34,8 +34,10 @@ from ._process_sets import (
     ProcessSet,
     add_process_set,
     global_process_set,
+    ids_and_ranks,
     included,
     remove_process_set,
+    set_size,
 )
 from .errors import HorovodInternalError, invalid
 from .parallel.data import DEFAULT_BUCKET_MB
@@ -82,9 +84,24 @@ def _int32(value: int) -> Any:
     return adapter("tensorflow").zeros([], "int32", None) + value
 
 
-def size_op(process_set: Any = None, name: str | None = None) -> Any:
-    """The number of ranks of ``process_set`` as an int32 tensor (Horovod's ``size_op``)."""
-    return _int32(_F.comm(process_set).size)
+def size_op(process_set_id: int = 0, name: str | None = None, process_set: Any = None) -> Any:
+    """The number of ranks of a process set as an int32 tensor (Horovod's ``size_op``).
+
+    Args:
+        process_set_id: Horovod's: 0 (every rank) or a registered set's id; its size is
+            known on every rank, members or not.
+        name: unused (Horovod's op name).
+        process_set: plait's: a ``ProcessSet`` or communicator instead of the id.
+
+    Returns:
+        A 0-d int32 tensor.
+
+    Raises:
+        ConfigError: for an id that is not registered.
+    """
+    if process_set is not None:
+        return _int32(_F.comm(process_set).size)
+    return _int32(set_size(process_set_id))
 
 
 def rank_op(name: str | None = None) -> Any:
@@ -377,10 +394,29 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
     return out
 
 
-def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: Any = None) -> None:
-    """Assign ``root_rank``'s values to ``variables`` (tf.Variable or Keras 3) everywhere."""
+def broadcast_variables(variables: Sequence[Any], root_rank: int, process_set: Any = None,
+                        inplace: bool = False) -> Any:
+    """Assign ``root_rank``'s values to ``variables`` (tf.Variable or Keras 3) everywhere.
+
+    As Horovod's: eagerly the assignment is done when this returns; inside a graph (a TF1
+    ``tf.Graph`` or ``tf.function``) the returned op does it.
+
+    Args:
+        variables: ``tf.Variable`` (resource or TF1 ref) or Keras 3 variables.
+        root_rank: the global rank whose values are kept.
+        process_set: the process set (default: all ranks).
+        inplace: Horovod's in-place broadcast; no effect (the result is the same).
+
+    Returns:
+        None eagerly; inside a graph the op (``tf.group`` of the assignments) to run.
+    """
+    if not _executing_eagerly():
+        import tensorflow as tf
+
+        return tf.group(*broadcast_(list(variables), root_rank, process_set=process_set))
     comm, root = _F.target(process_set, root_rank)
     tf_optim.broadcast_variables(list(variables), comm, root)
+    return None
 
 
 def broadcast_global_variables(root_rank: int) -> Any:
@@ -444,10 +480,59 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's name
     """
     check_groups(groups, num_groups)
     compressor, memory = gradient_compression(compression, memory)
+    if _outside(process_set):
+        return _OutsideSetTape(gradtape, process_set.size(), scale_local_gradients)
     return tf_optim.DistributedGradientTape(
         gradtape, _F.comm(process_set), op=op, compression=compressor, memory=memory,
         bucket_mb=bucket_mb, gradient_predivide_factor=gradient_predivide_factor,
         scale_local_gradients=scale_local_gradients)
+
+
+def _outside(process_set: Any) -> bool:
+    """Whether ``process_set`` is a registered Horovod process set this rank is not in."""
+    return (isinstance(process_set, ProcessSet) and bool(process_set.process_set_id)
+            and process_set.included() is False)
+
+
+class _OutsideSetTape(tf_optim.DistributedGradientTape):
+    """The distributed tape of a rank outside its ``process_set``: as Horovod's (its
+    ``_allreduce_cond``), the gradients are this rank's own, not reduced; registered
+    local sources are still divided by the set's size with ``scale_local_gradients``.
+
+    Args:
+        tape: the ``tf.GradientTape`` that recorded the forward pass.
+        set_size: the number of ranks of the process set.
+        scale_local_gradients: divide the local sources' gradients by ``set_size``.
+    """
+
+    def __init__(self, tape: Any, set_size: int, scale_local_gradients: bool) -> None:
+        super().__init__(tape, cast(Any, None), scale_local_gradients=scale_local_gradients)
+        self._set_size = set_size
+
+    def gradient(self, target: Any, sources: Any, output_gradients: Any = None, **kw: Any) -> Any:
+        """This rank's gradients of ``target`` w.r.t. ``sources`` (local sources scaled).
+
+        Args:
+            target: the value to differentiate.
+            sources: the variables (any nest).
+            output_gradients: upstream gradients of ``target``, or None.
+            **kw: ``tf.GradientTape.gradient``'s other arguments; Horovod's
+                ``use_generic_names`` has no effect.
+
+        Returns:
+            The gradients, in the structure of ``sources``.
+        """
+        import tensorflow as tf
+
+        from plait.adapters.tensorflow import unwrap
+
+        kw.pop("use_generic_names", None)
+        flat = tf.nest.flatten(sources)
+        grads = self._tape.gradient(target, [unwrap(s) for s in flat], output_gradients, **kw)
+        size = self._set_size if self._scale_local else 1
+        out = [tf_optim._scaled_local(g, size) if tf_optim._key(s) in self._local else g
+               for s, g in zip(flat, grads)]
+        return tf.nest.pack_sequence_as(sources, out)
 
 
 def PartialDistributedGradientTape(  # noqa: N802 - Horovod's name
@@ -505,14 +590,15 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     process_set: Any = None, scale_local_gradients: bool = True, *,
     bucket_mb: float = DEFAULT_BUCKET_MB, memory: Any = None,
 ) -> Any:
-    """Horovod's ``horovod.tensorflow.DistributedOptimizer`` for a Keras 3 optimizer: the
-    same as :func:`plait.keras.DistributedOptimizer` (TF1 ``tf.compat.v1.train``
-    optimizers are not supported; ``use_locking`` has no effect).
+    """Horovod's ``horovod.tensorflow.DistributedOptimizer``: for a Keras 3 optimizer the
+    same as :func:`plait.keras.DistributedOptimizer` (``use_locking`` has no effect); a
+    TF1 ``tf.compat.v1.train.Optimizer`` gets Horovod's TF1 wrapper, whose
+    ``compute_gradients`` reduces the gradients (``backward_passes_per_step`` 1 only).
 
     Args:
-        optimizer: a Keras 3 optimizer.
-        name: no effect.
-        use_locking: no effect.
+        optimizer: a Keras 3 or TF1 optimizer.
+        name: the TF1 wrapper's name; no effect for Keras.
+        use_locking: the TF1 wrapper's; no effect for Keras.
         device_dense: no effect.
         device_sparse: no effect.
         compression: ``Compression.none``/``fp16``/``bf16`` or any plait compressor.
@@ -534,6 +620,12 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     Raises:
         ConfigError: as :func:`plait.keras.DistributedOptimizer`.
     """
+    from plait.adapters.tensorflow import is_legacy_optimizer
+
+    if is_legacy_optimizer(optimizer):
+        return _legacy_distributed_optimizer(
+            optimizer, name, use_locking, compression, op, gradient_predivide_factor,
+            backward_passes_per_step, process_set, scale_local_gradients)
     from . import keras as keras_face
 
     return keras_face.DistributedOptimizer(
@@ -541,6 +633,85 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
         num_groups, groups, process_set, scale_local_gradients, bucket_mb=bucket_mb,
         memory=memory)
+
+
+def _legacy_distributed_optimizer(optimizer: Any, name: str | None, use_locking: bool,
+                                  compression: Any, op: str, gradient_predivide_factor: float,
+                                  backward_passes_per_step: int, process_set: Any,
+                                  scale_local_gradients: bool) -> Any:
+    """Horovod's ``DistributedOptimizer`` for a TF1 ``tf.compat.v1.train.Optimizer``: its
+    ``compute_gradients`` returns the gradients reduced over ``process_set`` (in one
+    :func:`grouped_allreduce`); a rank outside the set keeps its own, as in Horovod.
+
+    Raises:
+        ConfigError: for ``backward_passes_per_step`` other than 1, an op other than
+            Average or Sum, or a bad ``gradient_predivide_factor``.
+    """
+    import tensorflow as tf
+
+    if backward_passes_per_step != 1:
+        raise invalid("backward_passes_per_step", backward_passes_per_step,
+                      "1 with a TF1 tf.compat.v1.train optimizer (plait accumulates passes for "
+                      "Keras optimizers only)")
+    if op not in (Average, Sum):
+        raise invalid("op", op, "Average or Sum with a TF1 tf.compat.v1.train optimizer")
+    if isinstance(gradient_predivide_factor, bool) or not isinstance(
+            gradient_predivide_factor, (int, float)) or not gradient_predivide_factor > 0:
+        raise invalid("gradient_predivide_factor", gradient_predivide_factor, "a number > 0")
+    outside = _outside(process_set)
+    base = tf.compat.v1.train.Optimizer
+
+    class _DistributedOptimizer(base):  # type: ignore[misc, valid-type]
+        """Horovod's TF1 distributed optimizer: wraps ``optimizer``."""
+
+        def __init__(self) -> None:
+            super().__init__(name=name or f"Distributed{type(optimizer).__name__}",
+                             use_locking=use_locking)
+            self._optimizer = optimizer
+            self._local_vars: set[Any] = set()
+            self.process_set = process_set
+
+        def register_local_var(self, var: Any) -> None:
+            """Keep ``var``'s gradient local (Horovod's ``register_local_var``)."""
+            self._local_vars.add(tf_optim._key(var))
+
+        def compute_gradients(self, *args: Any, **kwargs: Any) -> list[tuple[Any, Any]]:
+            """The wrapped optimizer's ``(gradient, variable)`` pairs, gradients reduced."""
+            pairs = list(self._optimizer.compute_gradients(*args, **kwargs))
+            grads = [g for g, _ in pairs]
+            shared = [i for i, (g, v) in enumerate(pairs)
+                      if g is not None and tf_optim._key(v) not in self._local_vars]
+            if shared and not outside:
+                reduced = grouped_allreduce(
+                    [grads[i] for i in shared], compression=compression, op=op,
+                    prescale_factor=1.0 / gradient_predivide_factor,
+                    postscale_factor=float(gradient_predivide_factor), process_set=process_set)
+                for i, g in zip(shared, reduced):
+                    grads[i] = g
+            if scale_local_gradients and self._local_vars:
+                n = (process_set.size() if isinstance(process_set, ProcessSet)
+                     else _F.comm(process_set).size)
+                for i, (g, v) in enumerate(pairs):
+                    if g is not None and tf_optim._key(v) in self._local_vars:
+                        grads[i] = tf_optim._scaled_local(g, n)
+            return [(g, v) for g, (_, v) in zip(grads, pairs)]
+
+        def apply_gradients(self, grads_and_vars: Any, global_step: Any = None,
+                            name: str | None = None) -> Any:
+            """The wrapped optimizer's ``apply_gradients``."""
+            return self._optimizer.apply_gradients(grads_and_vars, global_step=global_step,
+                                                   name=name)
+
+        def get_slot(self, *args: Any, **kwargs: Any) -> Any:
+            return self._optimizer.get_slot(*args, **kwargs)
+
+        def get_slot_names(self, *args: Any, **kwargs: Any) -> Any:
+            return self._optimizer.get_slot_names(*args, **kwargs)
+
+        def variables(self, *args: Any, **kwargs: Any) -> Any:
+            return self._optimizer.variables(*args, **kwargs)
+
+    return _DistributedOptimizer()
 
 
 def _raising_tf_errors(fn: Any) -> Any:
@@ -566,6 +737,12 @@ del _name
 #: ``hvd.util``: the helpers of ``horovod.tensorflow.util`` that scripts and tests call.
 util = types.ModuleType(f"{__name__}.util", "Horovod's horovod.tensorflow.util helpers.")
 util._executing_eagerly = _executing_eagerly  # type: ignore[attr-defined]
+
+#: ``hvd.mpi_ops``: the internal of ``horovod.tensorflow.mpi_ops`` that Horovod's own tests
+#: call, ``hvd.mpi_ops._basics._get_process_set_ids_and_ranks()``.
+mpi_ops = types.ModuleType(f"{__name__}.mpi_ops", "Horovod's horovod.tensorflow.mpi_ops internals.")
+mpi_ops._basics = types.SimpleNamespace(  # type: ignore[attr-defined]
+    _get_process_set_ids_and_ranks=ids_and_ranks)
 
 #: ``hvd.elastic``: Horovod's elastic mode (``run``, the state objects), on first use.
 __getattr__ = elastic_attribute(__name__, "plait.collectives.horovod_elastic_tf")

@@ -513,6 +513,13 @@ def test_process_sets():
     mine, other = (even, odd) if r % 2 == 0 else (odd, even)
     assert mine.included() and not other.included() and mine.rank() == mine.ranks.index(r)
     assert mine.size() == len(mine.ranks) and even.process_set_id != odd.process_set_id
+    # Horovod's own tests: str, ids and ranks, size_op / included_op by id on every rank
+    assert str(even) == f"ProcessSet(process_set_id={even.process_set_id}, ranks={even.ranks}, " \
+        "mpi_comm=None)"
+    assert htf.mpi_ops._basics._get_process_set_ids_and_ranks() == {
+        0: list(range(n)), even.process_set_id: even.ranks, odd.process_set_id: odd.ranks}
+    assert int(htf.size_op(process_set_id=other.process_set_id)) == len(other.ranks)
+    assert int(htf.process_set_included_op(process_set_id=other.process_set_id)) == 0
     with pytest.raises(ValueError, match="not part"):
         other.rank()
     with pytest.raises(ValueError, match="duplicate"):
@@ -548,9 +555,12 @@ def test_process_sets():
     assert even.process_set_id is None and even.size() is None
     with pytest.raises(ValueError, match="not registered"):
         hvd.allreduce(x, process_set=mine)
+    with pytest.raises(ValueError, match="duplicate"):  # as Horovod: then none is registered
+        hvd.init(process_sets=[hvd.ProcessSet([0]), hvd.ProcessSet([0])])
+    assert htf.mpi_ops._basics._get_process_set_ids_and_ranks() == {0: list(range(n))}
     singles = [hvd.ProcessSet([q]) for q in range(n)]
     hvd.init(process_sets=singles)
-    assert all(s.process_set_id is not None for s in singles)
+    assert [s.process_set_id for s in singles] == list(range(1, n + 1))  # freed ids reused
     assert [s.included() for s in singles] == [q == r for q in range(n)]
     # every rank runs the same ops (real Horovod's unnamed ops, later, count them)
     assert torch.equal(hvd.allreduce(x, op=hvd.Sum, process_set=singles[r]), x)

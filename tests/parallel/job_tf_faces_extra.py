@@ -154,6 +154,26 @@ def test_sync_batch_normalization_follows_process_set():
     _close(sync.moving_mean, ref.moving_mean)
 
 
+def test_tape_outside_its_process_set_keeps_own_gradients_as_horovod():
+    """As Horovod's tests (test_distributed_gradient_tape_process_sets): on a rank outside
+    the tape's process set the gradients stay this rank's own (Horovod's _allreduce_cond);
+    a registered local source is still divided by the set's size."""
+    r = hvd.rank()
+    hvd.init(process_sets="dynamic")  # again: keeps the world, allows add_process_set
+    first = hvd.add_process_set([0])
+    try:
+        x, w = tf.constant(float(r)), tf.Variable(float(r))
+        with tf.GradientTape() as g:
+            g.watch(x)
+            y = x * x + 4.0 * w
+        tape = hvd.DistributedGradientTape(g, process_set=first)
+        tape.register_local_source(w)
+        dx, dw = tape.gradient(y, [x, w])
+        assert float(dx) == 2.0 * r and float(dw) == 4.0  # [0] is a set of one
+    finally:
+        assert hvd.remove_process_set(first)
+
+
 @pytest.mark.skipif(hvd.backend() != "horovod", reason="real Horovod runs on the Horovod backend")
 def test_real_horovods_sync_batch_normalization_fails_on_keras_3():
     import horovod.tensorflow as real
@@ -460,3 +480,29 @@ def test_inplace_broadcast_in_a_tf1_graph_assigns_ref_and_resource_variables():
         _close(got[1], np.full([2, 2], root))
         np.testing.assert_array_equal(got[2], [root % 2 == 1] * 2)
 
+
+def test_tf1_graph_broadcast_variables_op_and_legacy_optimizer_over_a_process_set():
+    """As Horovod's tests (test_broadcast_variables_process_sets, test_legacy_Distributed
+    Optimizer_process_sets): in a TF1 graph broadcast_variables returns the op that
+    assigns; a tf.compat.v1.train optimizer's DistributedOptimizer averages over its
+    process set and leaves the gradients of ranks outside it their own. Kept last (TF1)."""
+    r, n = hvd.rank(), hvd.size()
+    hvd.init(process_sets="dynamic")
+    evens = hvd.add_process_set([q for q in range(n) if q % 2 == 0])
+    try:
+        with tf.Graph().as_default(), tf.compat.v1.Session() as sess:
+            v = tf.compat.v1.Variable([r], dtype=tf.int32)
+            w = tf.compat.v1.Variable([0.0])
+            sess.run(tf.compat.v1.global_variables_initializer())
+            op = hvd.broadcast_variables([v], root_rank=n - 1)
+            assert isinstance(op, tf.Operation)
+            sess.run(op)
+            assert sess.run(v).tolist() == [n - 1]
+            opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(1.0),
+                                           process_set=evens)
+            pairs = opt.compute_gradients(-w * float(r))  # gradient -r
+            sess.run(opt.apply_gradients(pairs))
+            mean = sum(range(0, n, 2)) / len(evens.ranks)
+            assert sess.run(w)[0] == pytest.approx(mean if r % 2 == 0 else float(r))
+    finally:
+        assert hvd.remove_process_set(evens)
