@@ -22,6 +22,7 @@ someone waits, the progress thread sleeps on an event (it does not poll).
 
 from __future__ import annotations
 
+import atexit
 import os
 import struct
 import threading
@@ -57,7 +58,7 @@ from .ring import Chain, Exchange, Relay, Ring, combiner, segments
 from .tuning import Tuning
 from .watchdog import Watchdog
 
-__all__ = ["PROGRESS_S", "SLOT", "SPIN_S", "MPICommunicator", "thread_level"]
+__all__ = ["PROGRESS_S", "SLOT", "SPIN_S", "MPICommunicator", "start_mpi", "thread_level"]
 
 _BUILTIN = {"sum": MPI.SUM, "min": MPI.MIN, "max": MPI.MAX, "product": MPI.PROD,
             "average": MPI.SUM}
@@ -79,6 +80,17 @@ PROGRESS_S = 5e-4
 _MAX_CHUNKS = 4096  # tags per ring collective
 
 
+def start_mpi() -> None:
+    """Start MPI if it is not running: a script that set ``mpi4py.rc.initialize = False``
+    (as Horovod's own tests do, Horovod starting MPI itself) gets it started here, with
+    every thread allowed to call MPI, and finalized at exit (after the communicators'
+    goodbyes, which are registered later and so run first)."""
+    if MPI.Is_initialized():
+        return
+    MPI.Init_thread(MPI.THREAD_MULTIPLE)
+    atexit.register(lambda: None if MPI.Is_finalized() else MPI.Finalize())
+
+
 def thread_level() -> str:
     """Name of the MPI thread support level provided to this process."""
     names = {MPI.THREAD_SINGLE: "single", MPI.THREAD_FUNNELED: "funneled",
@@ -92,6 +104,7 @@ def _flat_bytes(a: np.ndarray) -> np.ndarray:
 
 #: The largest tag. MPI defines the attribute on MPI_COMM_WORLD only (a split
 #: communicator has none) and the bound holds on every communicator.
+start_mpi()  # as importing mpi4py.MPI does, unless the script said mpi4py.rc.initialize = False
 _TAG_UB = int(MPI.COMM_WORLD.Get_attr(MPI.TAG_UB) or 32767)
 #: Tags of the "who is waiting?" exchange after a timeout (the top of the tag range,
 #: which user point-to-point messages are unlikely to use).
@@ -874,6 +887,8 @@ class MPICommunicator(CommunicatorBase):
         rows = reducescatter_counts(buf.shape[0], self.size)
         row = int(np.prod(buf.shape[1:], dtype=np.int64))
         shape = (rows[self.rank],) + buf.shape[1:]
+        if self.size == 1:  # a group of one (e.g. a process set): its own tensor, reduced
+            return Done(ops.from_numpy(self._reduced(buf.copy(), op, dtype, ops), tensor))
         if self.size > 1 and self.tuning.reduce_algorithm(buf.nbytes, dtype,
                                                           self.cross_size) != "mpi":
             flat = self._pool.empty((buf.size,), buf.dtype)

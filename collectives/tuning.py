@@ -4,7 +4,8 @@ message size, the dtype and the host layout, overridable by environment variable
 ``PLAIT_ALLREDUCE`` picks the allreduce (and reducescatter) algorithm:
 
 * ``auto`` (default): Open MPI's own collective between ranks of one host (shared
-  memory is fastest there); across hosts from ``PLAIT_RING_MIN_KB`` up, plait's
+  memory is fastest there; 8-bit integers take the ring, whose sums wrap around as
+  numpy's do where Open MPI's saturate); across hosts from ``PLAIT_RING_MIN_KB`` up, plait's
   pipelined ring, or with several ranks on every host the hierarchical allreduce
   (reduce-scatter inside each host, one ring between hosts per local rank on its
   shard, allgather inside each host: every byte crosses the host link once, where a
@@ -42,12 +43,16 @@ from dataclasses import dataclass
 
 from plait.errors import invalid
 
-__all__ = ["ALGORITHMS", "HALF", "Tuning"]
+__all__ = ["ALGORITHMS", "HALF", "SATURATING", "Tuning"]
 
 #: Values of PLAIT_ALLREDUCE (PLAIT_ALLGATHER takes all but "hierarchical").
 ALGORITHMS = ("auto", "ring", "hierarchical", "mpi")
 #: dtypes Open MPI cannot reduce natively.
 HALF = ("float16", "bfloat16")
+#: dtypes whose sums Open MPI 4.1 saturates on larger messages (its AVX reduction:
+#: int8 81 + 81 gives 127 from a few KiB up, -94 below), where numpy, torch, TensorFlow
+#: and plait's smaller messages wrap around: these take the ring, which wraps.
+SATURATING = ("int8", "uint8")
 
 
 def _kib(env: Mapping[str, str], name: str, default: int) -> int:
@@ -136,7 +141,7 @@ class Tuning:
             return "ring"
         if self.allreduce == "auto" and hosts > 1 and nbytes >= self.ring_min_bytes:
             return "hierarchical" if layered else "ring"
-        return "ring" if dtype in HALF else "mpi"
+        return "ring" if dtype in HALF or dtype in SATURATING else "mpi"
 
     def gather_algorithm(self, nbytes: int, hosts: int) -> str:
         """"ring" or "mpi" for an allgather whose result has ``nbytes``."""

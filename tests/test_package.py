@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import zipfile
@@ -93,3 +94,18 @@ def test_cli_rejects_unknown_commands():
 def test_world_before_init_is_a_clear_error():
     with pytest.raises(plait.PlaitError, match="plait.init"):
         plait.world()
+
+
+def test_mpi_backend_starts_mpi_when_mpi4py_was_told_not_to():
+    """A script that set ``mpi4py.rc.initialize = False`` (Horovod's tests do: Horovod starts
+    MPI itself) gets MPI started by plait's init, with every thread allowed, and finalized."""
+    code = ("import mpi4py; mpi4py.rc.initialize = False\n"
+            "import numpy as np, plait\nfrom mpi4py import MPI\n"
+            "assert not MPI.Is_initialized()\n"
+            "comm = plait.init(backend='mpi')\n"
+            "assert MPI.Query_thread() == MPI.THREAD_MULTIPLE\n"
+            "print(comm.allreduce(np.ones(2), op='sum').tolist())\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMPI_ALLOW_RUN_AS_ROOT": "1",
+                               "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
+    assert proc.returncode == 0 and "[1.0, 1.0]" in proc.stdout, proc.stderr[-2000:]

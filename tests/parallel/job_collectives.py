@@ -77,6 +77,16 @@ def test_allreduce_ops(comm, fw, op, dtype):
     close(fw.numpy(out), reference(op, dtype, comm.size, source=small), dtype)
 
 
+@pytest.mark.parametrize(("dtype", "value"), [("int8", 100), ("uint8", 200)])
+def test_8bit_sums_wrap_around_at_every_size(comm, efw, dtype, value):
+    """As in numpy, torch and TensorFlow, small or large (Open MPI's AVX reduction
+    saturates them from a few KiB up; the MPI backend takes its ring there)."""
+    want = (value * comm.size) % 256
+    for n in (12, 5000):
+        out = efw.numpy(comm.allreduce(efw.tensor(np.full(n, value, np.float64), dtype), op="sum"))
+        assert (out.astype(np.int64) % 256 == want).all(), (n, out[:4])
+
+
 def test_allreduce_async_and_grouped(comm, efw):
     xs = [efw.tensor(data(comm.rank, "float32", (k + 1,)), "float32") for k in range(4)]
     handles = [comm.allreduce_async(x, op="sum") for x in xs]
@@ -160,6 +170,10 @@ def test_split_into_even_and_odd(comm, fw):
     close(fw.numpy(got), np.array([float(members[-1])]), "float32")
     gathered = sub.allgather(fw.tensor(np.array([float(comm.rank)]), "float32"))
     close(fw.numpy(gathered), np.array(members, dtype=np.float64), "float32")
+    # float16, and at 2 ranks a group of one (Open MPI has neither a float16 type nor
+    # needs a call for one rank)
+    part = sub.reducescatter(fw.tensor(np.ones((2 * sub.size, 2)), "float16"), op="sum")
+    close(fw.numpy(part), np.full((2, 2), float(sub.size)), "float16")
 
 
 def test_split_key_reorders_ranks(comm):
