@@ -33,8 +33,9 @@ class ProcessSet:
         ranks: global ranks of the members (any order; kept sorted).
 
     Raises:
-        PlaitTypeError: for anything but a sequence of ints (plait does not take an
-            mpi4py communicator here; use the ranks).
+        PlaitTypeError: for anything but a sequence (plait does not take an mpi4py
+            communicator here; use the ranks).
+        ConfigError: (a ``ValueError``, as Horovod raises) for ranks that are not ints.
     """
 
     def __init__(self, ranks: Sequence[int]) -> None:
@@ -44,7 +45,7 @@ class ProcessSet:
                 "build process sets from an MPI communicator)")
         values = list(ranks)
         if any(isinstance(r, bool) or not isinstance(r, int) for r in values):
-            raise PlaitTypeError(f"invalid ProcessSet({values!r}): expected a list of int ranks")
+            raise ConfigError(f"invalid ProcessSet({values!r}): expected a list of int ranks")
         self.ranks: list[int] = sorted(values)
         self.process_set_id: int | None = None
         #: Horovod's attribute for a set built from an MPI communicator: always None here.

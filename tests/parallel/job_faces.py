@@ -524,6 +524,8 @@ def test_process_sets():
         other.rank()
     with pytest.raises(ValueError, match="duplicate"):
         hvd.add_process_set(list(even.ranks))
+    with pytest.raises(ValueError, match="int ranks"):  # Horovod's error type
+        hvd.ProcessSet([0, "1"])
     x = torch.full((2,), float(r))
     assert torch.equal(hvd.allreduce(x, op=hvd.Sum, process_set=mine),
                        torch.full((2,), float(sum(mine.ranks))))
