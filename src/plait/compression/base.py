@@ -109,6 +109,10 @@ class Compressor(ABC):
         ragged: payload lengths may differ between ranks (allgather path only);
             the exchange then first gathers the lengths.
         graph_safe: usable on symbolic TensorFlow tensors (inside ``tf.function``).
+        elementwise: a summable payload whose every element depends only on the same
+            element of the tensor (the casts): how tensors are grouped into one
+            compressed tensor cannot change the result, so a data-parallel reducer
+            may tune its buckets and reduce them asynchronously as uncompressed ones.
 
     Attributes:
         stats: a :class:`~plait.compression.stats.WireStats` that every
@@ -121,6 +125,7 @@ class Compressor(ABC):
     summable: bool = False
     ragged: bool = False
     graph_safe: bool = False
+    elementwise: bool = False
     stats: Any = None
 
     def count_into(self, stats: Any) -> Compressor:

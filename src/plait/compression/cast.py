@@ -23,6 +23,7 @@ class NoneCompressor(Compressor):
 
     summable = True
     graph_safe = True
+    elementwise = True
 
     def compress(self, tensor: Tensor, name: str) -> tuple[list[Tensor], Any]:
         """Return ``([tensor], None)``."""
@@ -39,6 +40,7 @@ class _Cast(Pooled, Compressor):
 
     summable = True
     graph_safe = True
+    elementwise = True
     wire_dtype = "float16"
 
     def _cast(self, x: Tensor, dtype: str) -> Tensor:

@@ -64,6 +64,19 @@ class GradSpec:
         return n
 
 
+class _Decoded:
+    """A handle whose result is ``decode(result of inner)``."""
+
+    def __init__(self, inner: Handle, decode: Callable[[Any], Tensor]) -> None:
+        self._inner, self._decode = inner, decode
+
+    def wait(self) -> Tensor:
+        return self._decode(self._inner.wait())
+
+    def done(self) -> bool:
+        return bool(self._inner.done())
+
+
 @dataclass
 class Bucket:
     """Gradients reduced together as one flat tensor."""
@@ -171,15 +184,19 @@ class GradientReducer:
             type(compression) is NoneCompressor and (memory is None or isinstance(memory, NoMemory)))
         if not self._plain and op not in ("average", "sum"):
             raise invalid("op", op, f"'average' or 'sum' with compression={compression!r}")
+        # a cast (fp16, bf16) without error feedback: its buckets are cast, reduced
+        # asynchronously (backward overlaps them) and cast back, and tuned like plain ones
+        self._cast = (not self._plain and bool(getattr(compression, "elementwise", False))
+                      and (memory is None or isinstance(memory, NoMemory)))
         self._counted = False
-        if tune and not self._plain:
+        if tune and not self._plain and not self._cast:
             # a lossy compressor's result (and its error-feedback memory, kept per bucket)
             # depends on the grouping: no tuning, the default size
             start_mb, tune = DEFAULT_BUCKET_MB, False
         if compression is not None and hasattr(compression, "exchange"):
             start_mb, tune = 0.0, False  # e.g. PowerSGD: factorises each gradient in its own shape
         self._specs = list(specs)
-        self._fuse = fuse if self._plain else None
+        self._fuse = fuse if self._plain or self._cast else None
         self._group = group and hasattr(comm, "group_allreduce_async")
         self._tune_on = tune
         self.tuner = BucketTuner() if tune and comm.size > 1 else None
@@ -192,7 +209,7 @@ class GradientReducer:
         self._last: float | None = None
         # checked once per plan: the private unchecked communicator, and whether the
         # current plan already ran once (checked)
-        self._check_once = (check_once and self._plain and comm.size > 1
+        self._check_once = (check_once and (self._plain or self._cast) and comm.size > 1
                             and getattr(comm, "backend", "") == "mpi" and bool(getattr(comm, "check", False))
                             and os.environ.get("PLAIT_BUCKET_CHECK", "once") != "always")
         self._fast: Communicator | None = None
@@ -265,10 +282,23 @@ class GradientReducer:
             if self.stats is not None and self._counted:
                 size = nbytes(fused)
                 self.stats.record(name, size, size)
+        elif self._cast and not ops.is_symbolic(fused):  # in a tf.function: as any compressor
+            bucket.handle = self._cast_async(comm, fused, name)
         else:
             bucket.compressed = compressed_allreduce(
                 comm, fused, name, self.compression, self.memory,
                 average=self.op == "average")
+
+    def _cast_async(self, comm: Communicator, fused: Tensor, name: str) -> Handle:
+        """Start reducing ``fused`` cast by the (elementwise) compressor; the handle's
+        result is cast back (see ``_cast``)."""
+        compression = self.compression
+        assert compression is not None
+        payload, ctx = compression.compress(fused, name)
+        handle = comm.allreduce_async(payload[0], op=self.op, name=name)
+        if self.stats is not None:
+            self.stats.record(name, nbytes(payload[0]), nbytes(fused))
+        return _Decoded(handle, lambda out: compression.decompress([out], ctx))
 
     def finish_buckets(self, missing: Callable[[GradSpec], Tensor]) -> list[tuple[list[GradSpec], Tensor]]:
         """Start what is left (``missing(spec)`` supplies absent gradients), wait for all.
