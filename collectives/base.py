@@ -21,7 +21,7 @@ from plait.protocols import REDUCE_OPS, Handle, Tensor, TensorOps
 from .check import Call, verify
 from .graph_order import ordered
 
-__all__ = ["CommunicatorBase", "Done", "Pending", "rank_list", "reducescatter_counts"]
+__all__ = ["CommunicatorBase", "Done", "MappedHandle", "Pending", "rank_list", "reducescatter_counts"]
 
 _FLOATS = ("float16", "bfloat16", "float32", "float64")
 
@@ -37,6 +37,25 @@ class Done:
 
     def done(self) -> bool:
         return True
+
+
+class MappedHandle:
+    """A :class:`~plait.protocols.Handle` whose result goes through ``fn`` (a face's
+    postscale or 0-d shape, a compressed bucket's decode).
+
+    Args:
+        handle: the handle of the operation.
+        fn: applied to its result.
+    """
+
+    def __init__(self, handle: Handle, fn: Callable[[Any], Any]) -> None:
+        self._handle, self._fn = handle, fn
+
+    def wait(self) -> Any:
+        return self._fn(self._handle.wait())
+
+    def done(self) -> bool:
+        return bool(self._handle.done())
 
 
 class Pending:

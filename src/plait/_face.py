@@ -12,6 +12,8 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from plait.collectives.base import MappedHandle
+
 from . import runtime
 from ._face_compression import to_plait
 from ._process_sets import communicator, init_process_sets, note_dynamic_env
@@ -194,19 +196,6 @@ class Done:
 
     def done(self) -> bool:
         return True
-
-
-class MappedHandle:
-    """A handle whose result goes through ``fn`` (postscale, 0-d shape, Horovod's tuple)."""
-
-    def __init__(self, handle: Handle, fn: Callable[[Any], Any]) -> None:
-        self._handle, self._fn = handle, fn
-
-    def wait(self) -> Any:
-        return self._fn(self._handle.wait())
-
-    def done(self) -> bool:
-        return self._handle.done()
 
 
 #: Names of the operations in flight in this process (Horovod's tensor queue is per process).

@@ -117,24 +117,22 @@ def _count(text: str) -> int:
     return value
 
 
-def _amount(text: str) -> float:
+def _nonnegative(text: str, what: str) -> float:
     try:
         value = float(text)
     except ValueError:
         value = -1.0
     if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected a number >= 0")
+        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected {what} >= 0")
     return value
+
+
+def _amount(text: str) -> float:
+    return _nonnegative(text, "a number")
 
 
 def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 <= value < float("inf"):
-        raise argparse.ArgumentTypeError(f"invalid value {text!r}: expected seconds >= 0")
-    return value
+    return _nonnegative(text, "seconds")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from plait.adapters import ops_for
+from plait.collectives.base import MappedHandle
 from plait.collectives.timeline import span
 from plait.compression import (
     NoMemory,
@@ -62,19 +63,6 @@ class GradSpec:
         for d in self.shape:
             n *= d
         return n
-
-
-class _Decoded:
-    """A handle whose result is ``decode(result of inner)``."""
-
-    def __init__(self, inner: Handle, decode: Callable[[Any], Tensor]) -> None:
-        self._inner, self._decode = inner, decode
-
-    def wait(self) -> Tensor:
-        return self._decode(self._inner.wait())
-
-    def done(self) -> bool:
-        return bool(self._inner.done())
 
 
 @dataclass
@@ -298,7 +286,7 @@ class GradientReducer:
         handle = comm.allreduce_async(payload[0], op=self.op, name=name)
         if self.stats is not None:
             self.stats.record(name, nbytes(payload[0]), nbytes(fused))
-        return _Decoded(handle, lambda out: compression.decompress([out], ctx))
+        return MappedHandle(handle, lambda out: compression.decompress([out], ctx))
 
     def finish_buckets(self, missing: Callable[[GradSpec], Tensor]) -> list[tuple[list[GradSpec], Tensor]]:
         """Start what is left (``missing(spec)`` supplies absent gradients), wait for all.
