@@ -33,7 +33,7 @@ from plait.compression import (
     compressed_allreduce,
 )
 from plait.compression.base import nbytes
-from plait.errors import invalid
+from plait.errors import PlaitError, invalid
 from plait.protocols import Communicator, Handle, Tensor
 
 from .autotune import BucketTuner, bucket_setting
@@ -281,7 +281,8 @@ class GradientReducer:
         """Start reducing ``fused`` cast by the (elementwise) compressor; the handle's
         result is cast back (see ``_cast``)."""
         compression = self.compression
-        assert compression is not None
+        if compression is None:  # only reducers with a cast compressor get here
+            raise PlaitError("a reducer without a compressor has no cast buckets")
         payload, ctx = compression.compress(fused, name)
         handle = comm.allreduce_async(payload[0], op=self.op, name=name)
         if self.stats is not None:
