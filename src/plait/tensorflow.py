@@ -48,6 +48,7 @@ __all__ = [
     "ProcessSet", "Product", "Sum", "SyncBatchNormalization",
     "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall", "backend",
     "barrier", "broadcast", "broadcast_", "broadcast_global_variables", "broadcast_object",
+    "broadcast_object_fn",
     "broadcast_variables", "ccl_built",
     "cross_rank", "cross_size", "cuda_built", "ddl_built", "global_process_set", "gloo_built",
     "gloo_enabled", "grouped_allgather", "grouped_allreduce", "grouped_reducescatter", "init",
@@ -68,7 +69,38 @@ cuda_built, rocm_built, ddl_built, is_homogeneous = (_F.cuda_built, _F.rocm_buil
 mpi_enabled, gloo_enabled = _F.mpi_enabled, _F.gloo_enabled
 join, start_timeline, stop_timeline = _F.join, _F.start_timeline, _F.stop_timeline
 barrier = _F.barrier
-broadcast_object, allgather_object = _F.broadcast_object, _F.allgather_object
+
+
+def broadcast_object(obj: Any, root_rank: int = 0, session: Any = None, name: str | None = None,
+                     process_set: Any = None) -> Any:
+    """``root_rank``'s picklable ``obj`` on every rank (Horovod's TensorFlow signature).
+
+    Args:
+        obj: the object (used on ``root_rank`` only).
+        root_rank: the global rank that has it.
+        session: Horovod's TF1 session; no effect (the object travels eagerly).
+        name: no effect.
+        process_set: the process set (default: all ranks).
+
+    Returns:
+        The root's object.
+    """
+    return _F.broadcast_object(obj, root_rank, name, process_set)
+
+
+def broadcast_object_fn(root_rank: int = 0, session: Any = None, name: str | None = None,
+                        process_set: Any = None) -> Any:
+    """Horovod's ``broadcast_object_fn``: a function ``fn(obj)`` doing
+    :func:`broadcast_object` with these arguments."""
+    return functools.partial(broadcast_object, root_rank=root_rank, session=session, name=name,
+                             process_set=process_set)
+
+
+def allgather_object(obj: Any, session: Any = None, name: str | None = None,
+                     process_set: Any = None) -> list[Any]:
+    """Every rank's picklable ``obj``, in rank order (Horovod's TensorFlow signature;
+    ``session`` and ``name`` have no effect)."""
+    return _F.allgather_object(obj, name, process_set)
 
 
 def _executing_eagerly() -> bool:

@@ -434,6 +434,16 @@ def test_many_collectives_gradients_in_one_tf_function_equal_eager_ones():
             _close(got, want.numpy())
 
 
+def test_object_collectives_take_horovods_tensorflow_arguments():
+    """horovod.tensorflow's broadcast_object / allgather_object take a TF1 ``session``
+    before ``name``; broadcast_object_fn returns the broadcasting function."""
+    r, n = hvd.rank(), hvd.size()
+    assert hvd.broadcast_object({"r": r}, n - 1, None, "obj") == {"r": n - 1}
+    assert hvd.broadcast_object({"r": r}, session=None, name="obj2") == {"r": 0}
+    assert hvd.broadcast_object_fn(root_rank=n - 1, name="fn")([r]) == [n - 1]
+    assert hvd.allgather_object(r, None, "all") == list(range(n))
+
+
 def test_reducescatter_of_a_scalar_raises_value_error_as_horovod():
     """A 0-d tensor has no first dimension to scatter: ValueError on every rank (Horovod
     raises too), before any communication, also in the grouped form."""
