@@ -15,7 +15,6 @@ import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
 
-import numpy as np
 import torch
 from plait.collectives.pool import BufferPool
 
@@ -23,7 +22,7 @@ from plait.errors import invalid
 from plait.parallel.data import Bucket, GradientReducer, GradSpec
 from plait.protocols import Communicator
 
-from .torch import OPS
+from .torch import OPS, pooled_empty
 
 __all__ = ["broadcast_optimizer_state", "broadcast_parameters", "distributed_optimizer",
            "initialize_optimizer_state"]
@@ -78,8 +77,7 @@ class _Distributed:
         numel = sum(s.numel for s in bucket.specs)
         first = grads[0]
         if first.device.type == "cpu":
-            raw = self._plait_pool.empty((numel * first.element_size(),), np.dtype(np.uint8))
-            buf = torch.from_numpy(raw).view(first.dtype)
+            buf = pooled_empty(self._plait_pool, numel, first.dtype)
         else:
             buf = torch.empty(numel, dtype=first.dtype, device=first.device)
         if len(grads) == 1:
