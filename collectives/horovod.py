@@ -13,18 +13,26 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
 
-from plait.errors import BackendUnavailableError, CollectiveTimeoutError, MismatchError, invalid
+from plait.errors import (
+    BackendUnavailableError,
+    CollectiveTimeoutError,
+    HorovodInternalError,
+    MismatchError,
+    invalid,
+)
 from plait.protocols import Handle, Tensor, TensorOps
 
 from .abort import reaper_argv
 from .base import CommunicatorBase, Done, Pending, check_splits
 from .check import Call, agreed, encode, mismatch
+from .horovod_keep import TorchKeeper
 from .horovod_wait import HOROVOD_WAIT, BlockingWaits, wait_ticking
 from .outside_watchdog import OutsideWatchdog
 
@@ -115,6 +123,8 @@ class _World:
         # horovod.torch's handles (horovod.tensorflow has none)
         self.waits = (BlockingWaits(self.hvd.synchronize, "plait-hvd-wait")
                       if framework == "torch" else None)
+        self.keeper = (TorchKeeper(self.hvd.mpi_ops._handle_map)
+                       if framework == "torch" else None)
         # starting a horovod.torch op keeps the GIL and can block (see _enqueue), and an op
         # inside a TensorFlow graph cannot be interrupted (see _graph_op); after it killed
         # this rank, the guard ends a raw mpirun that cannot end the job
@@ -131,6 +141,8 @@ class _World:
         membership, ranks and sizes may have changed; every process set is gone."""
         self.hvd.shutdown()
         self.guard.clear()  # the ops it bounds ended with the library
+        if self.keeper is not None:
+            self.keeper.clear()
         self.hvd.init(process_sets="dynamic")
         self.sets.clear()
         self.communicators = 1  # only the world communicator (id 1) survives a restart
@@ -394,7 +406,7 @@ class HorovodCommunicator(CommunicatorBase):
         self._call = call
         digest = _from_numpy(self._w.ops, encode(call))
         name = self._check_name()
-        h = self._enqueue("allreduce_async", f"the agreement check {name!r}", digest, op=self._hvd.Min,
+        h = self._enqueue("allreduce_async_", f"the agreement check {name!r}", digest, op=self._hvd.Min,
                           name=name, process_set=self._set)
         return _TorchCheck(self, call, name, h, digest)
 
@@ -409,7 +421,9 @@ class HorovodCommunicator(CommunicatorBase):
         it never returns, and no Python thread can run to time it out. So it runs
         armed in the process's :class:`OutsideWatchdog`, which prints the timeout
         message and kills this rank when the call outlives ``self.timeout`` (the
-        launcher then ends the job).
+        launcher then ends the job). The tensors handed over stay referenced from C++
+        until the op is over (:class:`~plait.collectives.horovod_keep.TorchKeeper`), and
+        Horovod's ``HorovodInternalError`` comes out as one that plait's class catches too.
 
         Args:
             fn: the library function's name (``allreduce_async``...).
@@ -420,14 +434,20 @@ class HorovodCommunicator(CommunicatorBase):
         Returns:
             Horovod's handle.
         """
-        guard = self._w.guard
+        guard, keeper = self._w.guard, self._w.keeper
         key = guard.arm(self.timeout, self._kill_message(
             f"Horovod to start {what}: the call holds the GIL while Horovod's background loop "
             "waits for a rank that is stopped, stuck or unreachable"))
+        views = keeper.before(args) if keeper is not None else []
         try:
-            return getattr(self._hvd, fn)(*args, **kwargs)
+            handle = getattr(self._hvd, fn)(*args, **kwargs)
+        except Exception as exc:
+            raise _internal_error(exc) from exc
         finally:
             guard.disarm(key)
+        if keeper is not None:
+            keeper.started(handle, views)
+        return handle
 
     def _graph_op(self, fn: str, what: str, *args: Any, **kwargs: Any) -> Any:
         """Build horovod.tensorflow's ``fn`` into the graph being built, bounded by
@@ -485,17 +505,22 @@ class HorovodCommunicator(CommunicatorBase):
                 return check  # the calls differ: ``handle`` may never complete
             return hvd.synchronize(handle)
 
-        if hvd.poll(started) and (check is None or hvd.poll(check.handle)):
-            out = block(started)
-        else:
-            try:  # blocked in Horovod's own wait, on another thread: no CPU taken from
+        try:
+            if hvd.poll(started) and (check is None or hvd.poll(check.handle)):
+                out = block(started)
+            else:  # blocked in Horovod's own wait, on another thread: no CPU taken from
                 # Horovod's background thread (polling here cost 3.5 ms of an 11 ms allreduce)
                 out = self._w.waits.wait(started, self.timeout,  # type: ignore[union-attr]
                                          self._tick(), block=block)
-            except TimeoutError:
-                raise self._timed_out(what) from None
+        except TimeoutError:
+            raise self._timed_out(what) from None
+        except Exception as exc:
+            raise _internal_error(exc) from exc
         if check is not None and out is check:
             check.verify(None)
+        keeper = self._w.keeper
+        if keeper is not None:
+            keeper.done((started,) if check is None else (started, check.handle))
         return out
 
     def _tick(self) -> Callable[[], None] | None:
@@ -759,7 +784,10 @@ class HorovodCommunicator(CommunicatorBase):
             The rank that joined last.
         """
         if self.framework == "torch" and self.size > 1:
-            last = int(self._hvd.join(device))
+            try:
+                last = int(self._hvd.join(device))
+            except Exception as exc:
+                raise _internal_error(exc) from exc
             # ranks whose calls failed while others were joined numbered checks and ops
             # the joined ranks did not: every rank goes on from the largest counts
             self._joins += 1
@@ -838,6 +866,34 @@ class HorovodCommunicator(CommunicatorBase):
     def _host_graph(self, ops: TensorOps, tensor: Tensor) -> bool:
         """A symbolic tensor that the library cannot take natively."""
         return ops.is_symbolic(tensor) and ops.framework != self.framework
+
+
+@functools.cache
+def _both_internal_errors() -> type[HorovodInternalError]:
+    """An error class that ``except`` clauses for plait's and for Horovod's own
+    ``HorovodInternalError`` both catch."""
+    from horovod.common.exceptions import HorovodInternalError as HorovodsError
+
+    return type("HorovodInternalError", (HorovodInternalError, HorovodsError), {
+        "__module__": __name__,
+        "__doc__": "Horovod's HorovodInternalError, raised by plait's Horovod backend (also "
+                   "plait's: ``except hvd.HorovodInternalError`` catches it with either import).",
+    })
+
+
+def _internal_error(exc: Exception) -> Exception:
+    """``exc`` as :func:`_both_internal_errors` when it is Horovod's own
+    ``HorovodInternalError`` (a failed op: e.g. Horovod shut down after a peer died);
+    otherwise ``exc`` itself.
+
+    ``hvd.elastic.run`` (Horovod's) catches Horovod's class to reset; a script that
+    imported plait's face catches plait's.
+    """
+    from horovod.common.exceptions import HorovodInternalError as HorovodsError
+
+    if isinstance(exc, HorovodsError) and not isinstance(exc, HorovodInternalError):
+        return _both_internal_errors()(*exc.args)
+    return exc
 
 
 def _homogeneous(hvd: Any) -> bool:

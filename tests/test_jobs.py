@@ -28,6 +28,7 @@ JOBS = [
     ("mpirun", 3, "job_dp_torch.py", {}),
     ("horovodrun-gloo", 2, "job_dp_torch.py", {}),
     ("horovodrun-gloo", 2, "job_hvd_reset.py", {"PLAIT_BACKEND": "horovod", "PLAIT_BUCKET_MB": "0"}),
+    ("horovodrun-gloo", 2, "job_hvd_peer_death.py", {"PLAIT_BACKEND": "horovod"}),
     ("horovodrun-gloo", 2, "job_tf_graph_gloo.py", {"PLAIT_BACKEND": "horovod"}),
     ("mpirun", 2, "job_compression.py", {}),
     ("mpirun", 2, "job_dp_tf.py", {"PLAIT_TEST_BACKENDS": "mpi"}),
