@@ -25,6 +25,7 @@ from plait.errors import (
     CollectiveTimeoutError,
     HorovodInternalError,
     MismatchError,
+    PlaitError,
     invalid,
 )
 from plait.protocols import Handle, Tensor, TensorOps
@@ -113,7 +114,14 @@ class _World:
         # would never hit: it filled up and warned of each eviction (after ~1000 ops).
         # Off unless the user sets it.
         os.environ.setdefault("HOROVOD_CACHE_CAPACITY", "0")
-        self.hvd.init(process_sets="dynamic")
+        # Horovod with dynamic process sets runs an extra allgather every background cycle,
+        # holding the lock that starting an op waits for with the GIL held: a 4.8M-parameter
+        # MLP step (2 ranks, mpirun) took 34.6-37.1 ms against 30.1-31.0 ms without, and a
+        # rank whose peer died sat in it (30 s, Gloo's timeout) with its Python frozen. So
+        # Horovod starts without them (unless the user's HOROVOD_DYNAMIC_PROCESS_SETS=1 asks
+        # for them); the first split that needs a process set restarts it with them.
+        self.dynamic = os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") == "1"
+        self.hvd.init()
         from plait.adapters import adapter
 
         self.ops: TensorOps = adapter(framework)
@@ -143,9 +151,34 @@ class _World:
         self.guard.clear()  # the ops it bounds ended with the library
         if self.keeper is not None:
             self.keeper.clear()
-        self.hvd.init(process_sets="dynamic")
+        self.hvd.init(process_sets="dynamic" if self.dynamic else None)
         self.sets.clear()
         self.communicators = 1  # only the world communicator (id 1) survives a restart
+
+    def allow_process_sets(self) -> None:
+        """Restart Horovod with dynamic process sets, unless it has them (see
+        ``__init__``). Collective: every rank calls it at the same point (in ``split``).
+
+        Raises:
+            PlaitError: while an op this process started is still pending (the restart
+                would fail it).
+        """
+        if self.dynamic:
+            return
+        if self.keeper is not None:
+            pending = [h for h in self.keeper.handles() if not _finished(self.hvd, h)]
+            if pending:
+                raise PlaitError(
+                    f"split() needs a Horovod process set, which restarts Horovod with dynamic "
+                    f"process sets, but {len(pending)} op(s) started on this rank are still "
+                    "pending: wait for them first, or start with hvd.init(process_sets='dynamic') "
+                    "(or HOROVOD_DYNAMIC_PROCESS_SETS=1)")
+        self.hvd.shutdown()
+        self.guard.clear()
+        if self.keeper is not None:
+            self.keeper.clear()
+        self.hvd.init(process_sets="dynamic")
+        self.dynamic = True
 
     def next_id(self) -> int:
         """Id of a new communicator: the same on all its ranks, since communicators
@@ -856,6 +889,7 @@ class HorovodCommunicator(CommunicatorBase):
                 if len(ranks) == self._hvd.size() and ranks == tuple(range(len(ranks))):
                     self._w.sets[ranks] = self._hvd.global_process_set
                 else:
+                    self._w.allow_process_sets()
                     self._w.sets[ranks] = self._hvd.add_process_set(list(ranks))
             if c == int(color):
                 mine = self._w.sets[ranks]
@@ -894,6 +928,15 @@ def _internal_error(exc: Exception) -> Exception:
     if isinstance(exc, HorovodsError) and not isinstance(exc, HorovodInternalError):
         return _both_internal_errors()(*exc.args)
     return exc
+
+
+def _finished(hvd: Any, handle: Any) -> bool:
+    """Whether horovod.torch's op ``handle`` is over (a handle already waited for and
+    cleared counts as over)."""
+    try:
+        return bool(hvd.poll(handle))
+    except ValueError:
+        return True
 
 
 def _homogeneous(hvd: Any) -> bool:

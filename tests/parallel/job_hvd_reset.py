@@ -69,3 +69,28 @@ def test_step_after_reset_drops_buckets_started_before_it() -> None:
     for other in same[1:]:
         for a, b in zip(same[0], other):
             np.testing.assert_array_equal(a, b)
+
+
+def test_horovod_gets_dynamic_process_sets_at_the_first_split_that_needs_one() -> None:
+    """Horovod starts without dynamic process sets (they cost every background cycle an
+    allgather); the first ``split`` into a real sub-group restarts it with them, and an
+    elastic reset keeps them."""
+    hvd.init()
+    world = runtime.world()
+    assert world._w.dynamic is False  # type: ignore[attr-defined]
+    whole = world.split(0, hvd.rank())  # the world again: no process set, no restart
+    assert world._w.dynamic is False  # type: ignore[attr-defined]
+    alone = world.split(hvd.rank(), 0)  # singletons: a process set each
+    assert world._w.dynamic is True  # type: ignore[attr-defined]
+    assert alone.size == 1
+    np.testing.assert_array_equal(alone.allreduce(torch.full((3,), float(hvd.rank())), op="sum"),
+                                  np.full(3, float(hvd.rank())))
+    total = float(sum(range(hvd.size())))
+    for comm in (world, whole):
+        np.testing.assert_array_equal(comm.allreduce(torch.full((3,), float(hvd.rank())), op="sum"),
+                                      np.full(3, total))
+    world.barrier()
+    world.reset()  # type: ignore[attr-defined]
+    assert world._w.dynamic is True  # type: ignore[attr-defined]
+    again = world.split(hvd.rank(), 0)
+    assert again.allreduce(torch.ones(2), op="sum").tolist() == [1.0, 1.0]
