@@ -173,6 +173,16 @@ def test_async_dp_benchmark_has_every_row(tmp_path: Path) -> None:
     assert rows[0]["speedup_vs_sync"] == 1.0
 
 
+def test_elastic_recovery_benchmark_has_every_row(tmp_path: Path) -> None:
+    recovery = _module("elastic_recovery")
+    data = _run("elastic_recovery.py", tmp_path / "er")
+    rows = data["rows"]
+    assert [r["backend"] for r in rows] == list(recovery.BACKENDS)
+    for r in rows:  # the survivor went on alone after the kill and finished
+        assert r["rc"] == 0 and r["recovery_s"] > 0 and r["step_ms"] > 0, r
+        assert r["size_after"] == 1 and r["finished"] is True, r
+
+
 @pytest.fixture(scope="module")
 def pipeline_results(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     """One ``pipeline.py --smoke`` run for the two tests that read it: (results dir, data)."""
