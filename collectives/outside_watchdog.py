@@ -13,7 +13,10 @@ Python cannot interrupt (:func:`plait.adapters.tensorflow.bracketed` arms it the
 (started on first use, without ``site``) that reads the armed call's deadline and
 message from memory shared with this process. Arming writes them there (no system
 call, about 1.5 us with the disarm); disarming clears the deadline. When a deadline passes
-the child writes the message on this process's stderr and ends it with SIGKILL;
+the child writes the message on this process's stderr (opened through ``/proc`` only
+then: a child holding the rank's output pipes would outlive a killed rank by up to
+:data:`PERIOD_S`, and launchers such as horovodrun's elastic driver wait for those pipes
+to close before they count the rank as gone) and ends it with SIGKILL;
 the launcher (``mpirun``, ``horovodrun``, ``plait run``) then sees a failed rank and
 ends the job. A command given as ``then`` runs next, in the child's place (the launcher
 reaper of :mod:`plait.collectives.abort`: a raw ``mpirun`` can hang ending a job with a
@@ -59,7 +62,12 @@ while os.getppid() == parent:
     if deadline and now > deadline:
         text = shared[16:16 + n]
         if head.unpack_from(shared, 0) == (deadline, n):  # not re-armed while read
-            os.write(2, text)
+            try:  # the parent's stderr, borrowed now: holding it meanwhile would delay
+                err = os.open("/proc/%d/fd/2" % parent, os.O_WRONLY | os.O_APPEND)
+                os.dup2(err, 2)
+                os.write(2, text)
+            except OSError:
+                pass
             os.kill(parent, signal.SIGKILL)
             if len(sys.argv) > 5:
                 os.execvp(sys.argv[5], sys.argv[5:])
@@ -110,7 +118,7 @@ class OutsideWatchdog:
             self._child = subprocess.Popen(
                 [sys.executable, "-S", "-c", _CHILD, str(fd), str(os.getpid()), str(PERIOD_S),
                  self._name, *self._then], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                pass_fds=(fd,), close_fds=True, start_new_session=True)
+                stderr=subprocess.DEVNULL, pass_fds=(fd,), close_fds=True, start_new_session=True)
             os.close(fd)
         except (OSError, ValueError) as exc:
             self._failed = True
