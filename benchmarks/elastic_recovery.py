@@ -11,7 +11,10 @@ imports ``horovod.torch``, ``plait-horovod`` imports ``plait.torch`` with
 the worker on ``127.0.0.1`` writes the time and kills itself; the survivor writes the
 time of every completed step. Recovery = the survivor's first completed step after
 the kill minus the kill time (it includes Horovod noticing the death, the reset, the
-new rendezvous, restoring the last commit and one step). Backends alternate round by
+new rendezvous, restoring the last commit and one step); "resumed" is the part until
+the training function starts again (after the state's sync), "reset" the part until
+Horovod is up again in the new membership (the state's reset callbacks), "noticed" the
+part until the survivor's failed op raised (its state's restore). Backends alternate round by
 round so that both see the same load.
 
 Run: ``python benchmarks/elastic_recovery.py [--quick] [--rounds N]``.
@@ -69,9 +72,18 @@ def worker(kind: str, logdir: Path, steps: int, kill_step: int) -> None:
     host = os.environ.get("HOROVOD_HOSTNAME", "?")
     log = open(logdir / f"{host}.log", "a", buffering=1)  # noqa: SIM115 (open for the job)
     state = hvd.elastic.TorchState(model, opt, step=0)
+    state.register_reset_callbacks([lambda: log.write(f"reset {time.time()}\n")])
+    restore = state.restore
+
+    def noticed() -> None:  # hvd.elastic.run restores first thing after an op failed
+        log.write(f"noticed {time.time()}\n")
+        restore()
+
+    state.restore = noticed
 
     @hvd.elastic.run
     def train(state: Any) -> None:
+        log.write(f"attempt {time.time()}\n")  # after the state's sync
         while state.step < steps:
             if state.step == kill_step and host == VICTIM:
                 log.write(f"kill {time.time()}\n")
@@ -113,7 +125,9 @@ def _job(kind: str, args: Any) -> dict[str, Any]:
     shutil.rmtree(logdir, ignore_errors=True)
     if not kill:
         return {**row, "recovery_s": None, "step_ms": None, "note": "no kill recorded"}
-    times = [(int(s), float(t), int(n)) for _, s, t, n in steps]
+    attempts = [float(parts[1]) for parts in steps if parts[0] == "attempt"]
+    resets = [float(parts[1]) for parts in steps if parts[0] == "reset"]
+    times = [(int(s), float(t), int(n)) for k, s, t, n in (p for p in steps if p[0] == "step")]
     before = [t for _, t, _ in times if t < kill[0]]
     after = [(s, t, n) for s, t, n in times if t > kill[0]]
     gaps = [b - a for a, b in zip(before[2:], before[3:])]  # past the first steps
@@ -121,6 +135,12 @@ def _job(kind: str, args: Any) -> dict[str, Any]:
     if not after:
         return {**row, "recovery_s": None, "note": "the survivor never stepped again"}
     row["recovery_s"] = round(after[0][1] - kill[0], 3)
+    resumed = [t for t in attempts if t > kill[0]]
+    row["resumed_s"] = round(resumed[0] - kill[0], 3) if resumed else None
+    reset = [t for t in resets if t > kill[0]]
+    row["reset_s"] = round(reset[0] - kill[0], 3) if reset else None
+    seen = [float(p[1]) for p in steps if p[0] == "noticed" and float(p[1]) > kill[0]]
+    row["noticed_s"] = round(seen[0] - kill[0], 3) if seen else None
     row["size_after"] = after[0][2]
     row["finished"] = times[-1][0] >= args.steps
     return row
@@ -143,19 +163,27 @@ def main() -> int:
     table = []
     medians: dict[str, float | None] = {}
     for kind in BACKENDS:
-        rec = [row["recovery_s"] for row in rows if row["backend"] == kind and row["recovery_s"] is not None]
-        step = [row["step_ms"] for row in rows if row["backend"] == kind and row["step_ms"] is not None]
+        mine = [row for row in rows if row["backend"] == kind]
+
+        def values(key: str) -> list[float]:
+            return [row[key] for row in mine if row.get(key) is not None]  # noqa: B023
+
+        def median(key: str, digits: int) -> str:
+            v = values(key)
+            return f"{statistics.median(v):.{digits}f}" if v else "-"
+
+        rec = values("recovery_s")
         medians[kind] = statistics.median(rec) if rec else None
-        table.append([kind, f"{len(rec)}/{sum(row['backend'] == kind for row in rows)}",
-                      f"{medians[kind]:.2f}" if rec else "-",
-                      f"{min(rec):.2f}-{max(rec):.2f}" if rec else "-",
-                      f"{statistics.median(step):.1f}" if step else "-"])
+        table.append([kind, f"{len(rec)}/{len(mine)}", median("recovery_s", 2),
+                      f"{min(rec):.2f}-{max(rec):.2f}" if rec else "-", median("noticed_s", 3),
+                      median("reset_s", 2), median("resumed_s", 2), median("step_ms", 1)])
     ours, theirs = medians["plait-horovod"], medians["horovod"]
     ratio = f"{ours / theirs:.2f}" if ours and theirs else "-"
     md = (f"# Elastic recovery after a SIGKILLed worker (Horovod backend, torch)\n\n"
           f"{load_note()} at the start; {args.rounds} round(s), {args.steps} steps, kill at step "
           f"{args.kill_step}.\n\n"
-          + md_table(["backend", "recovered", "recovery s (median)", "min-max", "step ms before"], table)
+          + md_table(["backend", "recovered", "recovery s (median)", "min-max",
+                     "noticed s", "reset s", "resumed s", "step ms before"], table)
           + f"\nplait / Horovod median recovery: {ratio}\n")
     write_results(args.out, "elastic_recovery", rows, md,
                   meta(quick=args.quick, rounds=args.rounds, load=load_note()))
