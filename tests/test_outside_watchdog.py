@@ -113,6 +113,20 @@ def test_the_child_ends_with_its_process() -> None:
     assert not os.path.exists(f"/proc/{child}") or _zombie(child), "the watchdog child outlived its process"
 
 
+def test_the_child_holds_none_of_the_process_output() -> None:
+    """A launcher counts a killed rank gone once its output pipes close (horovodrun's
+    elastic driver does): the child, which outlives the rank a little, must not hold them."""
+    dog = OutsideWatchdog()
+    dog.disarm(dog.arm(60, "never"))
+    child = dog._child
+    assert child is not None
+    try:
+        for fd in (0, 1, 2):
+            assert os.readlink(f"/proc/{child.pid}/fd/{fd}") == "/dev/null"
+    finally:
+        dog.close()
+
+
 def test_close_stops_the_child() -> None:
     dog = OutsideWatchdog()
     dog.disarm(dog.arm(60, "never"))
