@@ -126,12 +126,13 @@ class GradientReducer:
         prefix: prefix of the names given to the collectives.
         fuse: makes a bucket's flat tensor from its gradients (default: concatenate;
             a framework can reuse a buffer). Used without compression only.
-        check_once: on the MPI backend with the agreement check on, check each bucket
-            plan in its first step only, then reduce on a private unchecked copy of
-            ``comm`` (its collectives meet only this reducer's, whose order and shapes
-            the checked step verified), so starting a bucket never waits for the
-            other ranks in the middle of backward. ``PLAIT_BUCKET_CHECK=always``
-            checks every step.
+        check_once: on the MPI backend (and horovod.torch's) with the agreement check
+            on, check each bucket plan in its first step only, then reduce on a private
+            unchecked copy of ``comm`` (its collectives meet only this reducer's, whose
+            order and shapes the checked step verified), so starting a bucket never
+            waits for the other ranks in the middle of backward (on Horovod: one op per
+            bucket instead of two; Horovod's coordinator still compares the ops' names,
+            shapes and dtypes). ``PLAIT_BUCKET_CHECK=always`` checks every step.
         zeros: a zero gradient for a spec; with ``check_once``, lets a rank that called
             Horovod's ``join()`` take part in the other ranks' steps (each step is then
             announced on ``comm``, see ``MPICommunicator.serve_joined``).
@@ -198,7 +199,7 @@ class GradientReducer:
         # checked once per plan: the private unchecked communicator, and whether the
         # current plan already ran once (checked)
         self._check_once = (check_once and (self._plain or self._cast) and comm.size > 1
-                            and getattr(comm, "backend", "") == "mpi" and bool(getattr(comm, "check", False))
+                            and _checks_once(comm) and bool(getattr(comm, "check", False))
                             and os.environ.get("PLAIT_BUCKET_CHECK", "once") != "always")
         self._fast: Communicator | None = None
         self._verified = False
@@ -449,3 +450,10 @@ class GradientReducer:
             self._plan(self.tuner.current if self.tuner is not None else self.bucket_mb)
             if self.tuner is not None:
                 self._same_plan(self.tuner.current)
+
+
+def _checks_once(comm: Communicator) -> bool:
+    """Whether ``comm``'s backend can reduce a verified plan unchecked: MPI, and Horovod
+    for torch (whose ops Horovod's coordinator matches by name and checks itself)."""
+    backend = getattr(comm, "backend", "")
+    return backend == "mpi" or (backend == "horovod" and getattr(comm, "framework", "") == "torch")
