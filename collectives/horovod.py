@@ -473,9 +473,8 @@ class HorovodCommunicator(CommunicatorBase):
             "waits for a rank that is stopped, stuck or unreachable"))
         views = keeper.before(args) if keeper is not None else []
         try:
-            handle = getattr(self._hvd, fn)(*args, **kwargs)
-        except Exception as exc:
-            raise _internal_error(exc) from exc
+            with _horovod_errors():
+                handle = getattr(self._hvd, fn)(*args, **kwargs)
         finally:
             guard.disarm(key)
         if keeper is not None:
@@ -539,16 +538,15 @@ class HorovodCommunicator(CommunicatorBase):
             return hvd.synchronize(handle)
 
         try:
-            if hvd.poll(started) and (check is None or hvd.poll(check.handle)):
-                out = block(started)
-            else:  # blocked in Horovod's own wait, on another thread: no CPU taken from
-                # Horovod's background thread (polling here cost 3.5 ms of an 11 ms allreduce)
-                out = self._w.waits.wait(started, self.timeout,  # type: ignore[union-attr]
-                                         self._tick(), block=block)
+            with _horovod_errors():
+                if hvd.poll(started) and (check is None or hvd.poll(check.handle)):
+                    out = block(started)
+                else:  # blocked in Horovod's own wait, on another thread: no CPU taken from
+                    # Horovod's background thread (polling here cost 3.5 ms of an 11 ms allreduce)
+                    out = self._w.waits.wait(started, self.timeout,  # type: ignore[union-attr]
+                                             self._tick(), block=block)
         except TimeoutError:
             raise self._timed_out(what) from None
-        except Exception as exc:
-            raise _internal_error(exc) from exc
         if check is not None and out is check:
             check.verify(None)
         keeper = self._w.keeper
@@ -817,10 +815,8 @@ class HorovodCommunicator(CommunicatorBase):
             The rank that joined last.
         """
         if self.framework == "torch" and self.size > 1:
-            try:
+            with _horovod_errors():
                 last = int(self._hvd.join(device))
-            except Exception as exc:
-                raise _internal_error(exc) from exc
             # ranks whose calls failed while others were joined numbered checks and ops
             # the joined ranks did not: every rank goes on from the largest counts
             self._joins += 1
@@ -903,31 +899,38 @@ class HorovodCommunicator(CommunicatorBase):
 
 
 @functools.cache
+def _horovods_error() -> type[Exception]:
+    """Horovod's own ``HorovodInternalError`` class."""
+    from horovod.common.exceptions import HorovodInternalError as HorovodsError
+
+    return HorovodsError  # type: ignore[no-any-return]
+
+
+@functools.cache
 def _both_internal_errors() -> type[HorovodInternalError]:
     """An error class that ``except`` clauses for plait's and for Horovod's own
     ``HorovodInternalError`` both catch."""
-    from horovod.common.exceptions import HorovodInternalError as HorovodsError
-
-    return type("HorovodInternalError", (HorovodInternalError, HorovodsError), {
+    return type("HorovodInternalError", (HorovodInternalError, _horovods_error()), {
         "__module__": __name__,
         "__doc__": "Horovod's HorovodInternalError, raised by plait's Horovod backend (also "
                    "plait's: ``except hvd.HorovodInternalError`` catches it with either import).",
     })
 
 
-def _internal_error(exc: Exception) -> Exception:
-    """``exc`` as :func:`_both_internal_errors` when it is Horovod's own
-    ``HorovodInternalError`` (a failed op: e.g. Horovod shut down after a peer died);
-    otherwise ``exc`` itself.
+@contextlib.contextmanager
+def _horovod_errors() -> Iterator[None]:
+    """Raise Horovod's own ``HorovodInternalError`` (a failed op: e.g. Horovod shut down
+    after a peer died) as :func:`_both_internal_errors`; other errors pass unchanged.
 
     ``hvd.elastic.run`` (Horovod's) catches Horovod's class to reset; a script that
     imported plait's face catches plait's.
     """
-    from horovod.common.exceptions import HorovodInternalError as HorovodsError
-
-    if isinstance(exc, HorovodsError) and not isinstance(exc, HorovodInternalError):
-        return _both_internal_errors()(*exc.args)
-    return exc
+    try:
+        yield
+    except _horovods_error() as exc:
+        if isinstance(exc, HorovodInternalError):
+            raise
+        raise _both_internal_errors()(*exc.args) from exc
 
 
 def _finished(hvd: Any, handle: Any) -> bool:
