@@ -254,7 +254,7 @@ def _check_predivide(factor: Any) -> None:
         raise invalid("gradient_predivide_factor", factor, "a number > 0")
 
 
-def distributed_keras_optimizer(optimizer: Any, comm: Communicator, *, op: str = "average",
+def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op: str = "average",
                                 compression: Any = None, memory: Any = None,
                                 bucket_mb: float = DEFAULT_BUCKET_MB,
                                 backward_passes_per_step: int = 1,
@@ -281,7 +281,8 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator, *, op: str =
 
     Args:
         optimizer: a Keras 3 optimizer (not yet used).
-        comm: the data-parallel communicator.
+        comm: the data-parallel communicator; None: apply this rank's own gradients
+            (Horovod's optimizer on a rank outside its process set).
         op: "average" (default) or "sum".
         compression: a compressor, or None.
         memory: its error-feedback memory, or None.
@@ -309,6 +310,9 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator, *, op: str =
     kw = {"op": op, "compression": compression, "memory": memory, "bucket_mb": bucket_mb,
           "gradient_predivide_factor": gradient_predivide_factor}
 
+    def reduce(grads: list[Any], variables: list[Any]) -> list[Any]:
+        return grads if comm is None else reduce_gradients(grads, variables, comm, **kw)
+
     def build(self: Any, variables: Any) -> None:
         base.build(self, variables)
         if passes > 1:
@@ -323,8 +327,7 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator, *, op: str =
             variables = self._trainable_variables
         variables, grads = list(variables), list(grads)
         if passes == 1:
-            return base.apply(self, reduce_gradients(grads, variables, comm, **kw),
-                              trainable_variables)
+            return base.apply(self, reduce(grads, variables), trainable_variables)
         if not self.built:
             self.build(variables)
         accumulators = [self._plait_accumulators[self._get_variable_index(v)] for v in variables]
@@ -334,7 +337,7 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator, *, op: str =
 
         def update() -> None:
             summed = [tf.convert_to_tensor(unwrap(acc)) for acc in accumulators]
-            reduced = reduce_gradients(summed, variables, comm, **kw)
+            reduced = reduce(summed, variables)
             if average_aggregated_gradients:
                 reduced = [g / passes for g in reduced]
             base.apply(self, reduced, variables)

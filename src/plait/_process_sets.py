@@ -18,7 +18,7 @@ from .errors import ConfigError, PlaitTypeError
 from .protocols import Communicator
 
 __all__ = ["ProcessSet", "add_process_set", "communicator", "global_process_set",
-           "ids_and_ranks", "included", "init_process_sets", "note_dynamic_env",
+           "ids_and_ranks", "included", "init_process_sets", "note_dynamic_env", "outside",
            "remove_process_set", "set_size"]
 
 
@@ -236,6 +236,13 @@ def remove_process_set(process_set: ProcessSet) -> bool:
     del _REG.sets[ps_id]
     process_set.process_set_id, process_set._comm = None, None
     return True
+
+
+def outside(process_set: Any) -> bool:
+    """Whether ``process_set`` is a registered Horovod process set this rank is not in
+    (Horovod's optimizers and tapes then keep this rank's own gradients)."""
+    return (isinstance(process_set, ProcessSet) and bool(process_set.process_set_id)
+            and process_set.included() is False)
 
 
 def communicator(process_set: Any) -> tuple[Communicator, list[int] | None]:

@@ -25,7 +25,7 @@ from ._face import (
     gradient_compression,
 )
 from ._face_compression import Compression, Compressor
-from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from ._process_sets import ProcessSet, add_process_set, global_process_set, outside, remove_process_set
 from .errors import HorovodInternalError, invalid
 from .parallel.data import DEFAULT_BUCKET_MB
 from .tensorflow import (
@@ -94,7 +94,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         average_aggregated_gradients: apply the mean of the accumulated passes, not their sum.
         num_groups: deprecated form of ``groups``.
         groups: Horovod's explicit allreduce groups (validated; fusion follows ``bucket_mb``).
-        process_set: data-parallel sub-communicator (default: all ranks).
+        process_set: data-parallel sub-communicator (default: all ranks); on a rank
+            outside a Horovod ``ProcessSet`` the gradients stay its own, as in Horovod.
         scale_local_gradients: no effect.
         bucket_mb: fusion bucket size in MiB (0: one gradient per allreduce).
         memory: error-feedback memory for ``compression`` (e.g. ``Residual()``).
@@ -111,7 +112,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     check_groups(groups, num_groups)
     compressor, memory = gradient_compression(compression, memory)
     return tf_optim.distributed_keras_optimizer(
-        optimizer, _F.comm(process_set), op=op, bucket_mb=bucket_mb, compression=compressor,
+        optimizer, None if outside(process_set) else _F.comm(process_set), op=op,
+        bucket_mb=bucket_mb, compression=compressor,
         memory=memory, backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients,
         gradient_predivide_factor=gradient_predivide_factor)

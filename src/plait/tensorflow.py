@@ -36,6 +36,7 @@ from ._process_sets import (
     global_process_set,
     ids_and_ranks,
     included,
+    outside,
     remove_process_set,
     set_size,
 )
@@ -512,18 +513,12 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's name
     """
     check_groups(groups, num_groups)
     compressor, memory = gradient_compression(compression, memory)
-    if _outside(process_set):
+    if outside(process_set):
         return _OutsideSetTape(gradtape, process_set.size(), scale_local_gradients)
     return tf_optim.DistributedGradientTape(
         gradtape, _F.comm(process_set), op=op, compression=compressor, memory=memory,
         bucket_mb=bucket_mb, gradient_predivide_factor=gradient_predivide_factor,
         scale_local_gradients=scale_local_gradients)
-
-
-def _outside(process_set: Any) -> bool:
-    """Whether ``process_set`` is a registered Horovod process set this rank is not in."""
-    return (isinstance(process_set, ProcessSet) and bool(process_set.process_set_id)
-            and process_set.included() is False)
 
 
 class _OutsideSetTape(tf_optim.DistributedGradientTape):
@@ -690,7 +685,7 @@ def _legacy_distributed_optimizer(optimizer: Any, name: str | None, use_locking:
     if isinstance(gradient_predivide_factor, bool) or not isinstance(
             gradient_predivide_factor, (int, float)) or not gradient_predivide_factor > 0:
         raise invalid("gradient_predivide_factor", gradient_predivide_factor, "a number > 0")
-    outside = _outside(process_set)
+    excluded = outside(process_set)
     base = tf.compat.v1.train.Optimizer
 
     class _DistributedOptimizer(base):  # type: ignore[misc, valid-type]
@@ -713,7 +708,7 @@ def _legacy_distributed_optimizer(optimizer: Any, name: str | None, use_locking:
             grads = [g for g, _ in pairs]
             shared = [i for i, (g, v) in enumerate(pairs)
                       if g is not None and tf_optim._key(v) not in self._local_vars]
-            if shared and not outside:
+            if shared and not excluded:
                 reduced = grouped_allreduce(
                     [grads[i] for i in shared], compression=compression, op=op,
                     prescale_factor=1.0 / gradient_predivide_factor,

@@ -174,6 +174,21 @@ def test_tape_outside_its_process_set_keeps_own_gradients_as_horovod():
         assert hvd.remove_process_set(first)
 
 
+def test_keras_optimizer_outside_its_process_set_applies_own_gradients_as_horovod():
+    """As Horovod's Keras optimizer: a rank outside its process set applies its own
+    gradients (rank 0, alone in the set, reduces over a set of one: its own too)."""
+    r = hvd.rank()
+    hvd.init(process_sets="dynamic")
+    first = hvd.add_process_set([0])
+    try:
+        v = tf.Variable([1.0, 2.0])
+        opt = hk.DistributedOptimizer(keras.optimizers.SGD(0.5), process_set=first)
+        opt.apply_gradients([(tf.constant([float(r), 1.0]), v)])
+        np.testing.assert_allclose(v.numpy(), [1.0 - 0.5 * r, 1.5])
+    finally:
+        assert hvd.remove_process_set(first)
+
+
 @pytest.mark.skipif(hvd.backend() != "horovod", reason="real Horovod runs on the Horovod backend")
 def test_real_horovods_sync_batch_normalization_fails_on_keras_3():
     import horovod.tensorflow as real
