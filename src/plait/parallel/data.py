@@ -242,6 +242,8 @@ class GradientReducer:
     def _start(self, bucket: Bucket) -> None:
         name = f"{self.prefix}.{bucket.index}"
         comm = self._fast if self._verified and self._fast is not None else self.comm
+        if comm is self._fast and hasattr(comm, "timeout"):  # the caller's timeout, also
+            comm.timeout = self.comm.timeout  # type: ignore[attr-defined]  # when changed later
         if (comm is self._fast and bucket.index == 0 and self._join_key is not None
                 and not self._serving):
             self._notice = self.comm.step_notice(self._join_key)  # type: ignore[attr-defined]
