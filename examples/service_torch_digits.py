@@ -68,6 +68,9 @@ def main() -> int:
             torch.save(state, path)
             report(artifact=path, accuracy=accuracy)
     if distributed:
+        # every rank reaches the teardown together: rank 0 hosts the store and once died at
+        # exit in c10d's teardown ("terminate called without an active exception")
+        dist.barrier()
         dist.destroy_process_group()
     return 0
 
