@@ -34,6 +34,7 @@ from .abort import reaper_argv
 from .base import CommunicatorBase, Done, Pending, check_splits
 from .check import Call, agreed, encode, mismatch
 from .horovod_keep import TorchKeeper
+from .horovod_rendezvous import clear, scopes, static_store
 from .horovod_wait import HOROVOD_WAIT, BlockingWaits, wait_ticking
 from .outside_watchdog import OutsideWatchdog
 
@@ -147,38 +148,56 @@ class _World:
     def restart(self) -> None:
         """Shut the library down and initialise it again (Horovod elastic's reset):
         membership, ranks and sizes may have changed; every process set is gone."""
+        self._start_again()
+        self.sets.clear()
+        self.communicators = 1  # only the world communicator (id 1) survives a restart
+
+    def allow_process_sets(self, comm: HorovodCommunicator) -> None:
+        """Restart Horovod with dynamic process sets, unless it has them (see
+        ``__init__``). Collective over ``comm``, which spans every rank (a
+        communicator of fewer ranks is a process set: Horovod has them already).
+
+        Raises:
+            PlaitError: on every rank while an op that a rank started is still pending
+                (the restart would fail it), or when horovodrun's rendezvous store
+                could not be emptied (see :mod:`plait.collectives.horovod_rendezvous`).
+        """
+        if self.dynamic:
+            return
+        pending = 0
+        if self.keeper is not None:
+            pending = sum(not _finished(self.hvd, h) for h in self.keeper.handles())
+        everyone = comm.allgather_object((os.environ.get("HOROVOD_HOSTNAME", "localhost"),
+                                          int(os.environ.get("HOROVOD_LOCAL_RANK", "0")), pending))
+        busy = {r: n for r, (_, _, n) in enumerate(everyone) if n}
+        if busy:
+            raise PlaitError(
+                f"split() needs a Horovod process set, which restarts Horovod with dynamic "
+                f"process sets, but ops are still pending (rank: count) {busy}: wait for them "
+                "first, or start with hvd.init(process_sets='dynamic') "
+                "(or HOROVOD_DYNAMIC_PROCESS_SETS=1)")
+        store = static_store(os.environ)
+        if store is not None:
+            failed = None
+            if comm.rank == 0:
+                try:
+                    clear(*store, scopes([(h, lr) for h, lr, _ in everyone]))
+                except PlaitError as exc:
+                    failed = str(exc)
+            # also keeps every rank from starting again before the store is empty
+            failed = comm.broadcast_object(failed, root=0)
+            if failed is not None:
+                raise PlaitError(failed)
+        self.dynamic = True
+        self._start_again()
+
+    def _start_again(self) -> None:
+        """Shut Horovod down, forget what its ops left behind, and initialise it again."""
         self.hvd.shutdown()
         self.guard.clear()  # the ops it bounds ended with the library
         if self.keeper is not None:
             self.keeper.clear()
         self.hvd.init(process_sets="dynamic" if self.dynamic else None)
-        self.sets.clear()
-        self.communicators = 1  # only the world communicator (id 1) survives a restart
-
-    def allow_process_sets(self) -> None:
-        """Restart Horovod with dynamic process sets, unless it has them (see
-        ``__init__``). Collective: every rank calls it at the same point (in ``split``).
-
-        Raises:
-            PlaitError: while an op this process started is still pending (the restart
-                would fail it).
-        """
-        if self.dynamic:
-            return
-        if self.keeper is not None:
-            pending = [h for h in self.keeper.handles() if not _finished(self.hvd, h)]
-            if pending:
-                raise PlaitError(
-                    f"split() needs a Horovod process set, which restarts Horovod with dynamic "
-                    f"process sets, but {len(pending)} op(s) started on this rank are still "
-                    "pending: wait for them first, or start with hvd.init(process_sets='dynamic') "
-                    "(or HOROVOD_DYNAMIC_PROCESS_SETS=1)")
-        self.hvd.shutdown()
-        self.guard.clear()
-        if self.keeper is not None:
-            self.keeper.clear()
-        self.hvd.init(process_sets="dynamic")
-        self.dynamic = True
 
     def next_id(self) -> int:
         """Id of a new communicator: the same on all its ranks, since communicators
@@ -885,7 +904,7 @@ class HorovodCommunicator(CommunicatorBase):
                 if len(ranks) == self._hvd.size() and ranks == tuple(range(len(ranks))):
                     self._w.sets[ranks] = self._hvd.global_process_set
                 else:
-                    self._w.allow_process_sets()
+                    self._w.allow_process_sets(self)
                     self._w.sets[ranks] = self._hvd.add_process_set(list(ranks))
             if c == int(color):
                 mine = self._w.sets[ranks]
