@@ -158,9 +158,21 @@ class _Distributed:
         super().zero_grad(set_to_none)  # type: ignore[misc]
 
 
+class _Local(_Distributed):
+    """The optimizer of a rank outside its process set, as in Horovod: no hooks, no
+    collective; ``step()`` applies this rank's own gradients."""
+
+    def synchronize(self) -> None:
+        """Nothing to wait for: the gradients stay this rank's own."""
+        self._plait_synchronized = True
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super(_Distributed, self).zero_grad(set_to_none)  # type: ignore[misc]
+
+
 def distributed_optimizer(
     optimizer: torch.optim.Optimizer,
-    comm: Communicator,
+    comm: Communicator | None,
     named_parameters: Iterable[tuple[str, torch.nn.Parameter]] | None = None,
     *,
     compression: Any = None,
@@ -174,7 +186,8 @@ def distributed_optimizer(
 
     Args:
         optimizer: any ``torch.optim.Optimizer``.
-        comm: the data-parallel communicator.
+        comm: the data-parallel communicator; None on a rank outside it (Horovod's
+            ``process_set=`` a rank is not in): that rank steps on its own gradients.
         named_parameters: ``model.named_parameters()``; names make collectives and
             errors readable (default: ``param.0``, ``param.1``... in group order).
         compression: a compressor (e.g. ``plait.compression.FP16()``), or None.
@@ -211,9 +224,14 @@ def distributed_optimizer(
                           "model.named_parameters() of the model whose parameters the optimizer has")
         named = [(by_id[id(p)], p) for p in in_groups]
     specs = [GradSpec(n, tuple(p.shape), OPS.dtype_name(p)) for n, p in named]
-    cls: Any = type(type(optimizer).__name__, (_Distributed, type(optimizer)), {})
+    base = _Distributed if comm is not None else _Local
+    cls: Any = type(type(optimizer).__name__, (base, type(optimizer)), {})
     dist: Any = cls.__new__(cls)
     dist.__dict__.update(optimizer.__dict__)
+    dist._plait_skip = False
+    dist._plait_synchronized = False  # synchronize() ran since the last step()
+    if comm is None:
+        return dist  # type: ignore[no-any-return]
     dist._plait_pool = BufferPool()
     dist._plait_reducer = GradientReducer(comm, specs, op=op, bucket_mb=bucket_mb,
                                           compression=compression, memory=memory, prefix="grad",
@@ -223,8 +241,6 @@ def distributed_optimizer(
     dist._plait_counts = {n: 0 for n, _ in named}
     dist._plait_zeros = dict(dist._plait_counts)
     dist._plait_passes = backward_passes_per_step
-    dist._plait_skip = False
-    dist._plait_synchronized = False  # synchronize() ran since the last step()
     dist._plait_predivide = float(gradient_predivide_factor)
     if comm.size > 1:
         for n, p in named:

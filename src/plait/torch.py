@@ -33,7 +33,7 @@ from ._face import (
 )
 from ._face import _claim as claim_name
 from ._face_compression import Compression, Compressor
-from ._process_sets import ProcessSet, add_process_set, global_process_set, remove_process_set
+from ._process_sets import ProcessSet, add_process_set, global_process_set, outside, remove_process_set
 from .errors import HorovodInternalError, invalid
 
 __all__ = [
@@ -385,7 +385,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         num_groups: deprecated form of ``groups``.
         groups: Horovod's explicit allreduce groups (validated only).
         sparse_as_dense: plait reduces gradients dense (see the README).
-        process_set: data-parallel sub-communicator (default: all ranks).
+        process_set: data-parallel sub-communicator (default: all ranks); on a rank
+            outside a Horovod ``ProcessSet``, ``step()`` applies its own gradients, as in
+            Horovod.
         bucket_mb: fusion bucket size in MiB (0: no fusion; None, the default: tuned in
             the first steps, see :mod:`plait.parallel.autotune`).
         memory: error-feedback memory for ``compression`` (e.g. ``Residual()``).
@@ -401,7 +403,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     check_groups(groups, num_groups)
     compressor, memory = gradient_compression(compression, memory)
     return torch_optim.distributed_optimizer(
-        optimizer, _F.comm(process_set), named, compression=compressor, memory=memory,
+        optimizer, None if outside(process_set) else _F.comm(process_set), named,
+        compression=compressor, memory=memory,
         backward_passes_per_step=backward_passes_per_step, op=op, bucket_mb=bucket_mb,
         gradient_predivide_factor=gradient_predivide_factor)
 

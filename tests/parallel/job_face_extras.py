@@ -229,3 +229,32 @@ def test_distributed_optimizer_checks_named_parameters_before_any_communication(
     dist.step()
     gathered = hvd.allgather(torch.cat([p.detach().reshape(-1) for p in model.parameters()])[None])
     torch.testing.assert_close(gathered[0], gathered[-1])
+
+
+def test_distributed_optimizer_outside_its_process_set_steps_on_own_gradients_as_horovod():
+    """As Horovod (its optimizer registers no hooks there and ``synchronize`` returns):
+    a rank outside the optimizer's process set steps on its own gradients, while the
+    set's ranks average theirs among themselves."""
+    hvd.init(process_sets="dynamic")  # again: keeps the world, allows add_process_set
+    members = list(range(max(1, hvd.size() - 1)))
+    firsts = hvd.add_process_set(members)
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(3, 2)
+        batches = [torch.full((4, 3), float(r + 1)) for r in range(hvd.size())]
+        opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+                                       named_parameters=model.named_parameters(), process_set=firsts)
+        expected = [p.detach().clone() for p in model.parameters()]
+        for r in members if hvd.rank() in members else [hvd.rank()]:
+            grads = torch.autograd.grad(torch.func.functional_call(
+                model, dict(model.named_parameters()), (batches[r],)).sum(), list(model.parameters()))
+            for e, g in zip(expected, grads):
+                e -= 0.1 * g / (len(members) if hvd.rank() in members else 1)
+        model(batches[hvd.rank()]).sum().backward()
+        opt.step()
+        for p, e in zip(model.parameters(), expected):
+            torch.testing.assert_close(p.detach(), e)
+        opt.zero_grad()
+        opt.synchronize()  # returns at once outside the set, as in Horovod
+    finally:
+        assert hvd.remove_process_set(firsts)
