@@ -43,9 +43,45 @@ def _spec(framework: str, instances: int, per_worker: int = 1) -> Any:
                      processes_per_worker=per_worker)
 
 
-def _render(framework: str, instances: int, per_worker: int = 1) -> list[dict[str, Any]]:
+def _render(framework: str, instances: int, per_worker: int = 1,
+            output_pvc: str | None = None) -> list[dict[str, Any]]:
     return render(JOB, _spec(framework, instances, per_worker), image="registry.local/plait:1",
-                  code_dir=str(CODE), namespace="training")
+                  code_dir=str(CODE), namespace="training", output_pvc=output_pvc)
+
+
+def _pod_templates(obj: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Role -> pod template of a Job (``job``) or of each replica of an MPIJob, PyTorchJob or TFJob."""
+    if obj["kind"] == "Job":
+        return {"job": obj["spec"]["template"]}
+    (replicas,) = [v for k, v in obj["spec"].items() if k.endswith("ReplicaSpecs")]
+    return {role: replica["template"] for role, replica in replicas.items()}
+
+
+def _validate_templates(obj: dict[str, Any]) -> None:
+    """Each replica's pod template of a Kubeflow job (no schema in kubernetes-validate) validated as a
+    ``PodTemplate`` of the Kubernetes API (strict)."""
+    kv = pytest.importorskip("kubernetes_validate")
+    for role, template in _pod_templates(obj).items():
+        pod_template = {"apiVersion": "v1", "kind": "PodTemplate",
+                        "metadata": {"name": f"{NAME}-{role.lower()}", "namespace": "training"},
+                        "template": template}
+        kv.validate(pod_template, kv.latest_version(), strict=True)
+
+
+def _assert_output_volume(obj: dict[str, Any], claim: str | None, job_id: str = JOB) -> None:
+    """Every pod of ``obj`` mounts the volume ``output`` at PLAIT_OUTPUT_DIR: the claim under the job id,
+    else an emptyDir."""
+    for template in _pod_templates(obj).values():
+        (volume,) = template["spec"]["volumes"]
+        if claim is None:
+            assert volume == {"name": "output", "emptyDir": {}}
+        else:
+            assert volume == {"name": "output", "persistentVolumeClaim": {"claimName": claim}}
+        for container in template["spec"]["containers"]:
+            mount = {"name": "output", "mountPath": "/plait/output"}
+            assert container["volumeMounts"] == [mount if claim is None else {**mount, "subPath": job_id}]
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            assert env["PLAIT_OUTPUT_DIR"] == "/plait/output"
 
 
 def _container_env(job: dict[str, Any]) -> list[dict[str, Any]]:
@@ -64,19 +100,23 @@ def _pod_env(job: dict[str, Any], index: int) -> dict[str, str]:
     return env
 
 
+@pytest.mark.parametrize("output_pvc", [None, "plait-output.v1"])
 @pytest.mark.parametrize("framework,instances,per_worker", [
     ("torch", 3, 1), ("tensorflow", 2, 2), ("none", 2, 1), ("torch", 1, 1), ("mpi", 2, 2), ("horovod", 3, 1),
 ])
-def test_manifests_validate_against_the_kubernetes_schema(framework: str, instances: int,
-                                                          per_worker: int) -> None:
+def test_manifests_validate_against_the_kubernetes_schema(framework: str, instances: int, per_worker: int,
+                                                          output_pvc: str | None) -> None:
     kv = pytest.importorskip("kubernetes_validate")
-    objects = _render(framework, instances, per_worker)
+    objects = _render(framework, instances, per_worker, output_pvc)
     for obj in objects:
         meta = obj["metadata"]
         assert meta["labels"]["plait.dev/job"] == JOB and meta["namespace"] == "training"
-        if obj["kind"] == "MPIJob":
-            continue  # a Kubeflow CRD: no schema in kubernetes-validate; checked below
-        kv.validate(obj, kv.latest_version(), strict=True)
+        if obj["kind"] == "MPIJob":  # a Kubeflow CRD: its Launcher and Worker pod templates
+            _validate_templates(obj)
+        else:
+            kv.validate(obj, kv.latest_version(), strict=True)
+        if obj["kind"] != "Service":
+            _assert_output_volume(obj, output_pvc)
     kinds = [o["kind"] for o in objects]
     if framework in ("mpi", "horovod"):
         assert kinds == ["MPIJob"]
@@ -151,6 +191,26 @@ def test_bad_input_names_the_argument() -> None:
         resource_name("x" * 60)
     with pytest.raises(ConfigError, match="slots"):
         KubernetesBackend(0, "x", str(CODE))
+    with pytest.raises(ConfigError, match="job_id.*subPath"):  # the claim's subdirectory: one path component
+        render("a/../b", _spec("torch", 2), image="x", code_dir=str(CODE), output_pvc="out")
+
+
+@pytest.mark.parametrize("claim", ["Outputs", "out_put", "-out", "out.", "a..b", "a b", "", "x" * 254])
+def test_a_bad_output_pvc_is_refused(claim: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Not a DNS-1123 subdomain: refused by render, by the backend before any cluster is asked, and by
+    ``plait serve`` (exit 2), naming the option, the value and what is valid."""
+    from plait.service.server import main as serve
+
+    words = [f"invalid output_pvc={claim!r}", "--k8s-output-pvc", "DNS-1123 subdomain"]
+    with pytest.raises(ConfigError) as info:
+        _render("torch", 2, 1, claim)
+    assert all(w in str(info.value) for w in words), info.value
+    with pytest.raises(ConfigError, match="output_pvc"):
+        KubernetesBackend(4, "x", str(CODE), kubeconfig="/nonexistent", output_pvc=claim)
+    assert serve(["--backend", "kubernetes", "--image", "img", "--code-dir", str(CODE),
+                  "--kubeconfig", "/nonexistent", f"--k8s-output-pvc={claim}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("plait serve: error: ") and all(w in err for w in words), err
 
 
 # -- the backend's API calls, through the real client, against a fake API server --------------------------
@@ -368,6 +428,24 @@ def test_launch_creates_the_service_and_the_job_as_rendered(api: tuple[FakeAPI, 
     assert created[0]["body"] == service and created[1]["body"] == job
     assert {r["auth"] for r in server.requests} == {f"Bearer {TOKEN}"}  # context "fake", not the current one
     assert launched.objects == [service, job] and launched.pgids == []
+
+
+def test_outputs_on_the_claim_outlive_the_clean_up(api: tuple[FakeAPI, str], tmp_path: Path) -> None:
+    """With ``output_pvc`` the pods mount the claim under the job id; the clean-up at the end deletes the
+    Job and the Service (their pods with them) but never the claim, so the artifact stays on it."""
+    server, kubeconfig = api
+    backend = _backend(kubeconfig, output_pvc="plait-output")
+    launched = backend.launch(JOB, _spec("torch", 2), [], {}, str(tmp_path), [])
+    posts = [r["body"] for r in server.requests if r["method"] == "POST"]
+    assert posts == _render("torch", 2, 1, "plait-output")
+    _assert_output_volume(posts[1], "plait-output")
+    other = "20261126-00ff00ff"
+    (mpijob,) = backend.objects(other, _spec("mpi", 2))
+    _assert_output_volume(mpijob, "plait-output", other)  # another job: its own subPath
+    server.pods = [_pod(0, "Succeeded", 0), _pod(1, "Succeeded", 0)]
+    assert launched.poll() and launched.exit_codes() == {0: 0, 1: 0}
+    assert [p.split("/")[-2] for m, p in server.calls("DELETE")] == ["jobs", "services"]
+    assert not any("persistentvolumeclaims" in r["path"] for r in server.requests)
 
 
 def test_horovod_and_mpi_jobs_are_an_mpijob(api: tuple[FakeAPI, str], tmp_path: Path) -> None:
@@ -609,7 +687,8 @@ def test_import_plait_service_does_not_import_kubernetes() -> None:
 
 def test_serve_takes_the_kubeconfig_and_the_context(api: tuple[FakeAPI, str], tmp_path: Path) -> None:
     """``plait serve --kubeconfig F --context C`` reaches the cluster of that context (the file's
-    current context is unreachable): a submitted job is POSTed to the fake API server."""
+    current context is unreachable): a submitted job is POSTed to the fake API server, its pods mounting
+    the claim of ``--k8s-output-pvc`` under the job id."""
     server, kubeconfig = api
     (tmp_path / "code").mkdir()
     (tmp_path / "code" / "train.py").write_text("print('hi')\n")
@@ -618,8 +697,8 @@ def test_serve_takes_the_kubeconfig_and_the_context(api: tuple[FakeAPI, str], tm
              "--listen", "127.0.0.1:0", "--work-dir", str(tmp_path / "work")]
     wrong = subprocess.run([*serve, "--context", "nope"], capture_output=True, text=True, timeout=60)
     assert wrong.returncode == 2 and "nope" in wrong.stderr, wrong.stderr
-    proc = subprocess.Popen([*serve, "--context", "fake"], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen([*serve, "--context", "fake", "--k8s-output-pvc", "team-outputs"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
@@ -631,6 +710,8 @@ def test_serve_takes_the_kubeconfig_and_the_context(api: tuple[FakeAPI, str], tm
         assert submit.returncode == 0, submit.stderr
         _wait(lambda: any(r["method"] == "POST" and r["path"].endswith("/jobs")
                           for r in server.requests))
+        (job,) = [r["body"] for r in server.requests if r["method"] == "POST" and r["path"].endswith("/jobs")]
+        _assert_output_volume(job, "team-outputs", job["metadata"]["labels"]["plait.dev/job"])
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -20,7 +20,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_service_kubernetes import CODE, JOB, NAME, FakeAPI, _backend, _pod, _spec, _wait, fake_api
+from test_service_kubernetes import (
+    CODE,
+    JOB,
+    NAME,
+    FakeAPI,
+    _assert_output_volume,
+    _backend,
+    _pod,
+    _spec,
+    _validate_templates,
+    _wait,
+    fake_api,
+)
 
 from plait.errors import ConfigError
 from plait.service import kubecapacity
@@ -181,19 +193,10 @@ def test_a_job_larger_than_the_cluster_is_resource_exhausted(api: Api, tmp_path:
 
 # -- Kubeflow PyTorchJob / TFJob -----------------------------------------------------------------------------
 
-def _kubeflow(framework: str, instances: int, per_worker: int = 1) -> list[dict[str, Any]]:
+def _kubeflow(framework: str, instances: int, per_worker: int = 1,
+             output_pvc: str | None = None) -> list[dict[str, Any]]:
     return render(JOB, _spec(framework, instances, per_worker), image="registry.local/plait:1",
-                  code_dir=str(CODE), namespace="training", operator="kubeflow")
-
-
-def _validate_templates(obj: dict[str, Any], replicas_key: str) -> None:
-    """Each replica's pod template validated as a ``PodTemplate`` of the Kubernetes API (strict)."""
-    kv = pytest.importorskip("kubernetes_validate")
-    for role, replica in obj["spec"][replicas_key].items():
-        template = {"apiVersion": "v1", "kind": "PodTemplate",
-                    "metadata": {"name": f"{NAME}-{role.lower()}", "namespace": "training"},
-                    "template": replica["template"]}
-        kv.validate(template, kv.latest_version(), strict=True)
+                  code_dir=str(CODE), namespace="training", operator="kubeflow", output_pvc=output_pvc)
 
 
 def test_pytorchjob_manifest() -> None:
@@ -213,7 +216,8 @@ def test_pytorchjob_manifest() -> None:
         assert {"PLAIT_JOB_ID", "PARALLEL_INSTANCES", "PLAIT_PARAMETERS"} <= names
         assert not names & {"RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TF_CONFIG"}
         assert spec["template"]["metadata"]["labels"]["plait.dev/job"] == JOB
-    _validate_templates(job, "pytorchReplicaSpecs")
+    _validate_templates(job)
+    _assert_output_volume(job, None)
 
 
 def test_tfjob_manifest_and_what_stays_an_indexed_job() -> None:
@@ -224,7 +228,7 @@ def test_tfjob_manifest_and_what_stays_an_indexed_job() -> None:
     assert list(job["spec"]["tfReplicaSpecs"]) == ["Worker"] and worker["replicas"] == 2
     (container,) = worker["template"]["spec"]["containers"]
     assert container["name"] == "tensorflow" and container["ports"][0]["containerPort"] == 2222
-    _validate_templates(job, "tfReplicaSpecs")
+    _validate_templates(job)
     timed = render(JOB, dataclasses.replace(_spec("torch", 2), timeout_s=90.0), image="x", code_dir=str(CODE),
                    operator="kubeflow")
     assert timed[0]["spec"]["runPolicy"]["activeDeadlineSeconds"] == 90
@@ -233,6 +237,23 @@ def test_tfjob_manifest_and_what_stays_an_indexed_job() -> None:
     assert [o["kind"] for o in _kubeflow("tensorflow", 1)] == ["Job"]
     assert [o["kind"] for o in _kubeflow("mpi", 2)] == ["MPIJob"]
     assert [o["kind"] for o in _kubeflow("none", 2)] == ["Service", "Job"]
+
+
+@pytest.mark.parametrize("framework,kind", [("torch", "PyTorchJob"), ("tensorflow", "TFJob")])
+def test_kubeflow_replicas_mount_the_output_pvc(framework: str, kind: str) -> None:
+    """With ``output_pvc`` every replica's pod mounts the claim under the job id (still a valid pod
+    template); the rest of the object is as without it."""
+    (job,) = _kubeflow(framework, 3, output_pvc="plait-output")
+    assert job["kind"] == kind
+    _validate_templates(job)
+    _assert_output_volume(job, "plait-output")
+    (plain,) = _kubeflow(framework, 3)
+    _assert_output_volume(plain, None)
+    for obj in (job, plain):
+        for replica in obj["spec"][f"{'pytorch' if kind == 'PyTorchJob' else 'tf'}ReplicaSpecs"].values():
+            pod = replica["template"]["spec"]
+            pod["volumes"], pod["containers"][0]["volumeMounts"] = [], []
+    assert job == plain
 
 
 def test_conditions_and_replica_ranks() -> None:
@@ -393,12 +414,14 @@ def test_service_runs_and_cancels_pytorchjobs(api: Api, tmp_path: Path) -> None:
 def test_manifest_printer_takes_the_operator_and_the_slot() -> None:
     out = subprocess.run([sys.executable, "-m", "plait.service.kubernetes", "--name", "n", "--framework",
                           "tensorflow", "--instances", "2", "--image", "img", "--code-dir", str(CODE),
-                          "--operator", "kubeflow", "--slot-resource", "nvidia.com/gpu=1", "torch_group.py"],
+                          "--operator", "kubeflow", "--slot-resource", "nvidia.com/gpu=1",
+                          "--output-pvc", "plait-output", "torch_group.py"],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     (obj,) = json.loads(out.stdout)["items"]
     container = obj["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     assert obj["kind"] == "TFJob" and container["resources"]["limits"] == {"nvidia.com/gpu": "1"}
+    _assert_output_volume(obj, "plait-output", "example-job")
 
 
 # -- live logs -------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ The operator, not plait, then sets the group variables in each pod: ``MASTER_ADD
 plait bootstrap) and each replica is one process: a job with several processes per worker stays an
 indexed Job. Every replica has ``restartPolicy: Never`` and the job ``runPolicy.backoffLimit: 0``
 (plait's own restarts relaunch the whole job) and ``cleanPodPolicy: None`` (the service reads the pods'
-logs, then deletes the job, its pods with it).
+logs, then deletes the job, its pods with it). Each replica's pod has the ``output`` volume the caller
+gives (an ``emptyDir`` unless the service has an output PersistentVolumeClaim).
 
 The job's state is its ``status.conditions`` (:func:`job_state`); a pod's rank is read from the
 operator's labels (:func:`replica_rank`).
@@ -37,7 +38,8 @@ _CONTAINER = {"PyTorchJob": ("pytorch", "pytorchjob-port", 23456),
 
 
 def training_job(kind: str, metadata: Mapping[str, Any], labels: Mapping[str, str],
-                 container: Mapping[str, Any], instances: int, timeout_s: float = 0.0) -> dict[str, Any]:
+                 container: Mapping[str, Any], instances: int, timeout_s: float = 0.0,
+                 volume: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ``PyTorchJob`` or ``TFJob`` of a job.
 
     Args:
@@ -48,6 +50,7 @@ def training_job(kind: str, metadata: Mapping[str, Any], labels: Mapping[str, st
             ``volumeMounts``); its name and port are set here (the operator looks for them).
         instances: replicas in all (``PARALLEL_INSTANCES``), >= 1.
         timeout_s: ``runPolicy.activeDeadlineSeconds`` (0: none).
+        volume: the pods' volume named ``output`` that the container mounts (default: an ``emptyDir``).
 
     Returns:
         The custom object.
@@ -61,11 +64,12 @@ def training_job(kind: str, metadata: Mapping[str, Any], labels: Mapping[str, st
         raise invalid("instances", instances, "an integer >= 1")
     name, port_name, port = _CONTAINER[kind]
     body = {**container, "name": name, "ports": [{"name": port_name, "containerPort": port}]}
+    output = dict(volume) if volume is not None else {"name": "output", "emptyDir": {}}
 
     def replicas(count: int) -> dict[str, Any]:
         return {"replicas": count, "restartPolicy": "Never", "template": {
             "metadata": {"labels": dict(labels)},
-            "spec": {"containers": [body], "volumes": [{"name": "output", "emptyDir": {}}]}}}
+            "spec": {"containers": [body], "volumes": [output]}}}
 
     run_policy: dict[str, Any] = {"cleanPodPolicy": "None", "backoffLimit": 0}
     if timeout_s:

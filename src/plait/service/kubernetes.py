@@ -18,6 +18,11 @@ process per worker is a Kubeflow ``PyTorchJob`` or ``TFJob`` instead
 state read from the object's ``status.conditions``. Every object is labelled
 ``plait.dev/job=JOB_ID``.
 
+Every pod mounts the job's output directory (``PLAIT_OUTPUT_DIR``, ``/plait/output``: rank 0's model,
+checkpoints) from the volume ``output``: an ``emptyDir``, deleted with the pods, or, with
+``output_pvc=CLAIM`` (``plait serve --k8s-output-pvc CLAIM``), that existing PersistentVolumeClaim with
+``subPath: JOB_ID``, so that the outputs outlive the pods and a restarted attempt finds its checkpoints.
+
 The capacity is the configured slot count, or, without one, what the cluster's
 nodes can hold (:mod:`plait.service.kubecapacity`, from ``list_node``; re-read at most
 every ``capacity_refresh_s`` seconds).
@@ -36,7 +41,7 @@ Command line (prints the manifests as a JSON ``List`` that ``kubectl apply -f -`
 
     python -m plait.service.kubernetes --name NAME --framework torch --instances 3 \\
         --image IMAGE [--code-dir .] [--image-code-dir /code] [--operator pods|kubeflow] \\
-        [--slot-resource cpu=1] [-p KEY=VALUE]... ENTRY_POINT [ARGS...]
+        [--slot-resource cpu=1] [--output-pvc CLAIM] [-p KEY=VALUE]... ENTRY_POINT [ARGS...]
 """
 
 from __future__ import annotations
@@ -72,6 +77,7 @@ __all__ = [
     "KubernetesBackend",
     "TF_PORT",
     "TORCH_PORT",
+    "check_output_pvc",
     "main",
     "pod_exit",
     "render",
@@ -101,6 +107,48 @@ def resource_name(job_id: str) -> str:
     if len(name) > 52 or not re.fullmatch(r"[a-z]([-a-z0-9]*[a-z0-9])?", name):
         raise invalid("job_id", job_id, "an id giving a DNS-1035 name of at most 52 characters")
     return name
+
+
+def check_output_pvc(claim: str | None) -> str | None:
+    """Check the name of the PersistentVolumeClaim that holds the jobs' outputs.
+
+    Args:
+        claim: the claim's name, or ``None`` (no claim: an ``emptyDir``).
+
+    Returns:
+        ``claim``.
+
+    Raises:
+        ConfigError: naming ``output_pvc`` (``--k8s-output-pvc``) if it is not a DNS-1123 subdomain.
+    """
+    label = r"[a-z0-9]([-a-z0-9]*[a-z0-9])?"
+    if claim is not None and (not isinstance(claim, str) or len(claim) > 253
+                              or not re.fullmatch(rf"{label}(\.{label})*", claim)):
+        raise invalid("output_pvc", claim, "the name of an existing PersistentVolumeClaim in the jobs' "
+                      "namespace (--k8s-output-pvc): a DNS-1123 subdomain of at most 253 lowercase "
+                      "letters, digits, '-' and '.', starting and ending with a letter or digit")
+    return claim
+
+
+def _output_volume(job_id: str, claim: str | None) -> tuple[dict[str, Any], dict[str, str]]:
+    """The pods' ``output`` volume and the containers' mount of it at :data:`_OUTPUT`.
+
+    Args:
+        job_id: the job (the claim's subdirectory).
+        claim: a PersistentVolumeClaim (mounted with ``subPath: JOB_ID``), or ``None`` (an ``emptyDir``).
+
+    Returns:
+        ``(volume, volumeMount)``.
+
+    Raises:
+        ConfigError: on a bad claim name, or a job id that is not one safe path component.
+    """
+    mount = {"name": "output", "mountPath": _OUTPUT}
+    if check_output_pvc(claim) is None:
+        return {"name": "output", "emptyDir": {}}, mount
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", job_id):
+        raise invalid("job_id", job_id, "letters, digits, '.', '_' and '-' (the output claim's subPath)")
+    return {"name": "output", "persistentVolumeClaim": {"claimName": claim}}, {**mount, "subPath": job_id}
 
 
 def _env(values: Mapping[str, str]) -> list[dict[str, Any]]:
@@ -150,6 +198,7 @@ def render(
     python: str = "python",
     slot: tuple[str, str] = DEFAULT_SLOT,
     operator: str = "pods",
+    output_pvc: str | None = None,
 ) -> list[dict[str, Any]]:
     """The objects that run ``spec`` on Kubernetes.
 
@@ -163,13 +212,15 @@ def render(
         python: the interpreter in the image.
         slot: ``(resource, quantity)`` each process asks for (default ``("cpu", "1")``).
         operator: ``pods`` or ``kubeflow`` (see :func:`uses_operator`).
+        output_pvc: an existing PersistentVolumeClaim every pod mounts at ``PLAIT_OUTPUT_DIR`` with
+            ``subPath: JOB_ID`` (``None``: an ``emptyDir``, deleted with the pods).
 
     Returns:
         ``[Service, Job]`` (``torch``, ``tensorflow``, ``none``; a one-process job is the
         ``Job`` alone), ``[MPIJob]`` (``horovod``, ``mpi``), or ``[PyTorchJob]`` / ``[TFJob]``.
 
     Raises:
-        ConfigError: on an empty image or namespace, a bad slot or operator.
+        ConfigError: on an empty image or namespace, a bad slot, operator or output claim name.
     """
     for argument, value in (("image", image), ("namespace", namespace)):
         if not isinstance(value, str) or not value or any(c.isspace() for c in value):
@@ -186,14 +237,14 @@ def render(
         "PLAIT_PROGRESS_FILE": "-",  # reports go to rank 0's log, which the service reads
     }
     resources = _resources(spec.processes_per_worker, slot)
-    output = {"name": "output", "mountPath": _OUTPUT}
+    volume, output = _output_volume(job_id, output_pvc)
     if spec.framework in ("horovod", "mpi") and spec.world_size > 1:
-        return [_mpijob(spec, meta, labels, image, argv, base, resources, output, python)]
+        return [_mpijob(spec, meta, labels, image, argv, base, resources, (volume, output), python)]
     kind = uses_operator(spec, operator)
     if kind is not None:  # the operator sets the group variables; the entry point runs as is
         container = {"image": image, "command": argv, "env": _env(base), "resources": resources,
                      "volumeMounts": [output]}
-        return [training_job(kind, meta, labels, container, spec.instances, spec.timeout_s)]
+        return [training_job(kind, meta, labels, container, spec.instances, spec.timeout_s, volume)]
     per = spec.processes_per_worker
     if spec.framework == "torch":
         endpoints = [f"{name}-0.{name}:{TORCH_PORT}"]
@@ -217,7 +268,7 @@ def render(
         "backoffLimit": 0,
         "template": {"metadata": {"labels": labels}, "spec": {
             "subdomain": name, "restartPolicy": "Never", "containers": [container],
-            "volumes": [{"name": "output", "emptyDir": {}}],
+            "volumes": [volume],
         }},
     }
     if spec.timeout_s:
@@ -233,8 +284,10 @@ def render(
 
 
 def _mpijob(spec: JobSpec, meta: dict[str, Any], labels: dict[str, str], image: str, argv: list[str],
-            base: Mapping[str, str], resources: dict[str, Any], output: dict[str, str],
-            python: str) -> dict[str, Any]:
+            base: Mapping[str, str], resources: dict[str, Any],
+            output: tuple[dict[str, Any], dict[str, str]], python: str) -> dict[str, Any]:
+    """The ``MPIJob`` of a ``horovod`` or ``mpi`` job; ``output``: ``(volume, volumeMount)`` of every pod."""
+    volume, mount = output
     env = {**base, **layout_env(spec.framework, spec.instances, spec.processes_per_worker, [])}
     launch = LaunchSpec(command=(python, "-m", "plait.service.bootstrap", "--", *argv), np=spec.world_size,
                         backend="horovod" if spec.framework == "horovod" else "mpi",
@@ -243,14 +296,13 @@ def _mpijob(spec: JobSpec, meta: dict[str, Any], labels: dict[str, str], image: 
     pod_env = _env({**env, "PLAIT_BACKEND": launch.backend})
 
     def template(role: str, command: list[str] | None) -> dict[str, Any]:
-        container: dict[str, Any] = {"name": role, "image": image, "env": pod_env, "volumeMounts": [output]}
+        container: dict[str, Any] = {"name": role, "image": image, "env": pod_env, "volumeMounts": [mount]}
         if command is not None:
             container["command"] = command
         else:
             container["resources"] = resources
         return {"metadata": {"labels": labels}, "spec": {
-            "restartPolicy": "Never", "containers": [container],
-            "volumes": [{"name": "output", "emptyDir": {}}]}}
+            "restartPolicy": "Never", "containers": [container], "volumes": [volume]}}
 
     return {
         "apiVersion": "kubeflow.org/v2beta1", "kind": "MPIJob", "metadata": meta,
@@ -287,6 +339,8 @@ class KubernetesBackend:
         operator: one of :data:`OPERATORS`: ``pods`` (default), ``kubeflow`` (PyTorchJob/TFJob; their
             CRDs must be served), ``auto`` (each where its CRD is served, found once at start).
         capacity_refresh_s: seconds between two readings of the nodes (``slots=None`` only).
+        output_pvc: an existing PersistentVolumeClaim in ``namespace`` that every pod mounts at
+            ``PLAIT_OUTPUT_DIR``, under the job id (``None``: an ``emptyDir``; see :func:`render`).
 
     Raises:
         ConfigError: if no cluster is configured (or the ``kubernetes`` package is missing), on a bad
@@ -299,12 +353,14 @@ class KubernetesBackend:
     def __init__(self, slots: int | None, image: str, code_dir: str, image_code_dir: str = "/code",
                  namespace: str = "default", *, context: str | None = None, kubeconfig: str | None = None,
                  poll_s: float = 2.0, api_grace_s: float = 120.0, slot: tuple[str, str] | str = DEFAULT_SLOT,
-                 operator: str = "pods", capacity_refresh_s: float = 60.0) -> None:
+                 operator: str = "pods", capacity_refresh_s: float = 60.0,
+                 output_pvc: str | None = None) -> None:
         if slots is not None and (isinstance(slots, bool) or not isinstance(slots, int) or slots < 1):
             raise invalid("slots", slots, "an integer >= 1 (the processes this service may run), or None "
                           "(read from the cluster's nodes)")
         if operator not in OPERATORS:
             raise invalid("operator", operator, f"one of {', '.join(OPERATORS)}")
+        self.output_pvc = check_output_pvc(output_pvc)
         self.slot = parse_slot(slot if isinstance(slot, str) else "=".join(map(str, slot)))
         self.image, self.code_dir = image, code_dir
         self.image_code_dir, self.namespace = image_code_dir, namespace
@@ -417,7 +473,7 @@ class KubernetesBackend:
             operator = "kubeflow" if FRAMEWORK_KIND.get(spec.framework) in self.kinds else "pods"
         return render(job_id, spec, image=self.image, code_dir=self.code_dir,
                       image_code_dir=self.image_code_dir, namespace=self.namespace, slot=self.slot,
-                      operator=operator)
+                      operator=operator, output_pvc=self.output_pvc)
 
     def forget(self, job_id: str) -> None:
         """Drop what was kept about a job's objects (its handle calls it once they are deleted)."""
@@ -548,6 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--job-id", default="example-job")
     p.add_argument("--operator", choices=("pods", "kubeflow"), default="pods")
     p.add_argument("--slot-resource", default="cpu=1", metavar="RESOURCE=QUANTITY")
+    p.add_argument("--output-pvc", metavar="CLAIM")
     p.add_argument("-p", "--param", action="append", default=[], metavar="KEY=VALUE")
     p.add_argument("entry_point")
     p.add_argument("args", nargs=argparse.REMAINDER)
@@ -561,7 +618,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                          processes_per_worker=args.processes_per_worker)
         objects = render(args.job_id, spec, image=args.image, code_dir=args.code_dir,
                          image_code_dir=args.image_code_dir, namespace=args.namespace,
-                         slot=parse_slot(args.slot_resource), operator=args.operator)
+                         slot=parse_slot(args.slot_resource), operator=args.operator,
+                         output_pvc=args.output_pvc)
     except ConfigError as exc:
         print(f"{p.prog}: error: {exc}", file=sys.stderr)
         return 2

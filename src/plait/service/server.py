@@ -249,6 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="kubernetes: torch/tensorflow jobs as an indexed Job and a Service (pods, default), "
                         "as Kubeflow PyTorchJob/TFJob (kubeflow), or those where the cluster serves the "
                         "CRD (auto)")
+    p.add_argument("--k8s-output-pvc", metavar="CLAIM",
+                   help="kubernetes: an existing PersistentVolumeClaim in --namespace that every pod "
+                        "mounts at PLAIT_OUTPUT_DIR under the job id, so that models and checkpoints "
+                        "outlive the pods (default: an emptyDir, deleted with them)")
     p.add_argument("--abort-grace", type=float, default=10.0, metavar="S",
                    help="seconds the other ranks get after one failed (default 10)")
     return p
@@ -288,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             backend = KubernetesBackend(args.slots, args.image, args.code_dir, args.image_code_dir,
                                         args.namespace, context=args.context,
                                         kubeconfig=args.kubeconfig, slot=args.slot_resource,
-                                        operator=args.k8s_operator)
+                                        operator=args.k8s_operator, output_pvc=args.k8s_output_pvc)
         else:
             backend = HostsBackend(_hosts(args), shlex.split(args.agent) if args.agent else None,
                                    args.network_interface)
