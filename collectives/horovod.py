@@ -15,6 +15,7 @@ import concurrent.futures
 import contextlib
 import functools
 import os
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -35,7 +36,7 @@ from .base import CommunicatorBase, Done, Pending, check_splits
 from .check import Call, agreed, encode, mismatch
 from .horovod_keep import TorchKeeper
 from .horovod_rendezvous import clear, scopes, static_store
-from .horovod_wait import HOROVOD_WAIT, BlockingWaits, wait_ticking
+from .horovod_wait import HOROVOD_WAIT, BlockingWaits, spin, wait_ticking
 from .outside_watchdog import OutsideWatchdog
 
 __all__ = ["HorovodCommunicator", "build_info", "mpi_launched"]
@@ -551,17 +552,29 @@ class HorovodCommunicator(CommunicatorBase):
         """
         hvd = self._hvd
 
+        def finish(ready: Callable[[Any], None]) -> Any:
+            """The check's verdict, then the op's result; ``ready(handle)`` waits before
+            each ``synchronize`` (which blocks by itself)."""
+            if check is not None:
+                ready(check.handle)
+                if not check.agrees(hvd.synchronize(check.handle)):
+                    return check  # the calls differ: ``started`` may never complete
+            ready(started)
+            return hvd.synchronize(started)
+
         def block(handle: Any) -> Any:
-            if check is not None and not check.agrees(hvd.synchronize(check.handle)):
-                return check  # the calls differ: ``handle`` may never complete
-            return hvd.synchronize(handle)
+            return finish(lambda h: None)
 
         try:
             with _horovod_errors():
                 if hvd.poll(started) and (check is None or hvd.poll(check.handle)):
                     out = block(started)
-                else:  # blocked in Horovod's own wait, on another thread: no CPU taken from
-                    # Horovod's background thread (polling here cost 3.5 ms of an 11 ms allreduce)
+                elif self._mpi is None:  # horovodrun --gloo: poll here (see ``spin``)
+                    deadline = time.monotonic() + self.timeout
+                    out = finish(lambda h: spin(lambda: bool(hvd.poll(h)), deadline))
+                else:  # blocked in Horovod's own wait, on another thread, ticking: in an MPI
+                    # job polling here took CPU from Horovod's background thread (3.5 ms of an
+                    # 11 ms allreduce)
                     out = self._w.waits.wait(started, self.timeout,  # type: ignore[union-attr]
                                              self._tick(), block=block)
         except TimeoutError:

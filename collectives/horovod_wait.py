@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HOROVOD_WAIT", "BlockingWaits", "wait_ticking"]
+__all__ = ["HOROVOD_WAIT", "BlockingWaits", "spin", "wait_ticking"]
 
 #: Where a rank waiting in a Horovod op says it waits when a rank that timed out asks
 #: (see :meth:`plait.collectives.mpi.MPICommunicator.arrivals`).
@@ -49,6 +49,29 @@ def wait_ticking(wait: Callable[[float], bool], timeout: float,
             return False
         tick()
     return True
+
+
+def spin(done: Callable[[], bool], deadline: float) -> None:
+    """Poll ``done`` until it is true, giving the CPU away between polls, as Horovod's own
+    ``synchronize`` does (a ``sched_yield`` loop), but only until ``deadline``.
+
+    Used where no MPI answers ticks (``horovodrun --gloo``): there, handing the wait to a
+    :class:`BlockingWaits` thread made a 1.9M-parameter MLP step ~1.3x Horovod's (2 ranks,
+    interleaved in one job), polling here ~1.15x.
+
+    Args:
+        done: e.g. ``lambda: hvd.poll(handle)``.
+        deadline: ``time.monotonic()`` value to give up at.
+
+    Raises:
+        TimeoutError: ``done`` was still false at ``deadline``.
+    """
+    polls = 0
+    while not done():
+        time.sleep(0)  # releases the GIL and yields
+        polls += 1
+        if not polls & 255 and time.monotonic() > deadline:
+            raise TimeoutError("no result before the deadline")
 
 
 class _Box:

@@ -1,4 +1,5 @@
-"""The Horovod backend waits on handles in a blocking call on another thread, bounded."""
+"""The Horovod backend waits on handles, bounded: in a blocking call on another thread
+(an MPI job), or polling (``spin``, horovodrun --gloo)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import threading
 import time
 
 import pytest
-from plait.collectives.horovod_wait import BlockingWaits
+from plait.collectives.horovod_wait import BlockingWaits, spin
 
 
 class _Handles:
@@ -116,3 +117,15 @@ def test_a_wait_with_its_own_block_waits_for_two_handles_in_one_hand_off() -> No
     handles.finish(handles.start(2, "plain"))
     assert waits.wait(2, 5.0) == "plain"  # the next wait blocks with the default again
     assert waits.threads == 1
+
+
+def test_spin_returns_once_done_and_times_out_at_the_deadline() -> None:
+    done = threading.Event()
+    threading.Timer(0.05, done.set).start()
+    start = time.monotonic()
+    spin(done.is_set, start + 5)
+    assert done.is_set() and time.monotonic() - start < 2
+    start = time.monotonic()
+    with pytest.raises(TimeoutError):
+        spin(lambda: False, start + 0.2)
+    assert 0.2 <= time.monotonic() - start < 2
