@@ -1,14 +1,16 @@
-"""Waiting on a Horovod handle without using the CPU, and with a timeout.
+"""Waiting on a Horovod handle with a timeout.
 
-``horovod.torch.synchronize(handle)`` blocks in C++ without the GIL and without
-using the CPU, but it has no timeout. Polling ``poll(handle)`` with short sleeps
-bounds the wait but takes CPU from Horovod's own background thread, which moves
-the bytes: measured here (2 ranks on 2 cores, a 19 MiB allreduce), polling made
-the allreduce 14.5 ms where ``synchronize`` takes 11 ms. :class:`BlockingWaits`
-runs ``synchronize`` on a parked daemon thread and lets the caller wait on an
-event with a timeout: no CPU while waiting, and a bounded wait. A thread whose
-handle never completes is left behind (a daemon thread: it does not keep the
-process alive); the next wait takes another thread.
+``horovod.torch.synchronize(handle)`` has no timeout: in C++ it polls the handle and
+yields the CPU between polls, releasing the GIL while it yields. Two bounded waits:
+
+* :class:`BlockingWaits` (MPI jobs) runs ``synchronize`` on a parked daemon thread and
+  lets the caller wait on an event with a timeout. Polling on the caller's thread with
+  short sleeps took CPU from Horovod's background thread there (2 ranks on 2 cores, a
+  19 MiB allreduce: 14.5 ms against 11 ms). A thread whose handle never completes is
+  left behind (a daemon thread: it does not keep the process alive); the next wait
+  takes another thread.
+* :func:`spin` (``horovodrun --gloo``) polls on the caller's thread as ``synchronize``
+  does, up to a deadline: there the thread's hand-over cost more than it saved.
 """
 
 from __future__ import annotations
