@@ -181,9 +181,9 @@ def test_job_across_hosts(request: pytest.FixtureRequest, tmp_path: Path, layout
     if job == "collectives":
         # job_ring.py: plait's ring and hierarchical allreduce across the hosts (MPI only)
         ring = [] if "gloo" in launcher else [RING_JOB]
-        # job_multihost.py first: its MPI-backend pipeline then runs before the Horovod tests
-        # start Horovod's background thread, beside which Open MPI's TCP transport stalls
-        # messages (README, "What does not work"; tools/mpi_threads.py)
+        # across hosts tests/parallel/conftest.py runs every MPI-backend test before the
+        # first Horovod one: beside Horovod's background thread Open MPI's TCP transport
+        # stalls messages (README, "What does not work"; tools/mpi_threads.py)
         program = pytest_argv("job_multihost.py", COLLECTIVES_JOB, *ring, "-k", COLLECTIVES_K)
     else:
         program = [sys.executable, "-c", REPORTING_WRAPPER, DIGITS, "--backend", str(backend),

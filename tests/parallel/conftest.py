@@ -46,6 +46,27 @@ def make_comm(backend: str) -> Any:
     return _COMMS[backend]
 
 
+def _across_hosts() -> bool:
+    """Whether this rank's job spans several hosts (Open MPI then talks TCP between them)."""
+    size = os.environ.get("OMPI_COMM_WORLD_SIZE")
+    return size is not None and os.environ.get("OMPI_COMM_WORLD_LOCAL_SIZE") != size
+
+
+@pytest.hookimpl(trylast=True)  # after pytest groups the items by their session parameters
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Across hosts, every test on the MPI backend runs before the first one on Horovod.
+
+    Once Horovod is started its background thread blocks in MPI calls, and beside it
+    Open MPI's TCP transport holds plait's messages back for a minute or more (README,
+    "What does not work"; ``tools/mpi_threads.py``). Pytest's own grouping interleaves
+    the backends across files and frameworks: a late rank's barrier on the MPI backend,
+    run after the Horovod tests of the same processes, once stalled past its 60 s.
+    """
+    if _across_hosts():
+        items.sort(key=lambda item: getattr(item, "callspec", None) is not None
+                   and item.callspec.params.get("comm") == "horovod")
+
+
 @pytest.fixture(params=backends(), scope="session")
 def comm(request: pytest.FixtureRequest) -> Any:
     return make_comm(request.param)
