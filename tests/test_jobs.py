@@ -37,9 +37,9 @@ JOBS = [
     ("mpirun", 2, "job_face_extras.py", {"PLAIT_BACKEND": "mpi"}),
     ("mpirun", 2, "job_face_extras.py", {"PLAIT_BACKEND": "horovod"}),
     ("mpirun", 2, "job_tf_faces_extra.py", {"PLAIT_BACKEND": "mpi"}),
-    ("mpirun", 2, "job_tf_faces_extra.py", {"PLAIT_BACKEND": "horovod"}),
     # 3 ranks: the ranks' graph collectives once overlapped there (backward with forward)
     ("mpirun", 3, "job_tf_faces_extra.py", {"PLAIT_BACKEND": "mpi"}),
+    ("mpirun", 3, "job_tf_faces_extra.py", {"PLAIT_BACKEND": "horovod"}),
     ("horovodrun-mpi", 2, "job_dp_tf.py", HVD_TF),
 ]
 
