@@ -12,7 +12,7 @@ from typing import Any, cast
 from plait.adapters import tf_optim
 from plait.adapters.keras_syncbn import SyncBatchNormalization
 
-from ._face import (
+from .._face import (
     Adasum,
     Average,
     Face,
@@ -28,9 +28,9 @@ from ._face import (
     resolve_op,
     scale,
 )
-from ._face import _claim as claim_name
-from ._face_compression import Compression, Compressor
-from ._process_sets import (
+from .._face import _claim as claim_name
+from .._face_compression import Compression, Compressor
+from .._process_sets import (
     ProcessSet,
     add_process_set,
     global_process_set,
@@ -40,8 +40,8 @@ from ._process_sets import (
     remove_process_set,
     set_size,
 )
-from .errors import HorovodInternalError, invalid
-from .parallel.data import DEFAULT_BUCKET_MB
+from ..errors import HorovodInternalError, invalid
+from ..parallel.data import DEFAULT_BUCKET_MB
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedGradientTape",
@@ -394,7 +394,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
     from plait.adapters import tf_collectives as tc
     from plait.adapters.tf_collectives import fused_allreduce
 
-    from ._face_compression import to_plait
+    from .._face_compression import to_plait
 
     claim_name(name)
     tensors, how = list(tensors), resolve_op(average, op)
@@ -653,7 +653,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         return _legacy_distributed_optimizer(
             optimizer, name, use_locking, compression, op, gradient_predivide_factor,
             backward_passes_per_step, process_set, scale_local_gradients)
-    from . import keras as keras_face
+    from .. import keras as keras_face
 
     return keras_face.DistributedOptimizer(
         optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
