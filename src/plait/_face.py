@@ -10,6 +10,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 from plait.collectives.base import MappedHandle
@@ -22,6 +23,7 @@ from .protocols import Communicator, Handle
 
 __all__ = [
     "Adasum", "Average", "Face", "Max", "Min", "Product", "Sum", "check_groups", "elastic_attribute",
+    "elastic_module",
     "Done", "MappedHandle", "gradient_compression", "keep_shape", "reduce_tensor", "resolve_op",
     "scale",
 ]
@@ -151,26 +153,44 @@ _RELAUNCH_ELASTIC = {"plait.collectives.horovod_elastic_torch": "plait.adapters.
                      "plait.collectives.horovod_elastic_tf": "plait.adapters.keras_elastic"}
 
 
-def elastic_attribute(face: str, module: str) -> Callable[[str], Any]:
-    """A module ``__getattr__`` giving a face Horovod's ``hvd.elastic``, imported on first use
-    (it needs horovod; ``import plait.torch`` must not import it). On the MPI backend (or
-    before ``init`` in a job started by ``plait run --elastic``) the faces get
-    :mod:`plait.adapters.torch_elastic` / :mod:`plait.adapters.keras_elastic` instead.
+def elastic_module(module: str) -> ModuleType:
+    """The module that a face's ``hvd.elastic`` stands for now: ``module`` (Horovod's
+    elastic mode), or on the MPI backend (or before ``init`` in a job started by
+    ``plait run --elastic``) :mod:`plait.adapters.torch_elastic` /
+    :mod:`plait.adapters.keras_elastic`. Imported on first use: it needs horovod, and
+    ``import plait.torch`` must not import it.
 
     Args:
-        face: the face module's name (for the error).
-        module: the module that ``elastic`` stands for.
+        module: the Horovod backend's elastic module for the face.
+
+    Returns:
+        The module.
+    """
+    relaunch = _RELAUNCH_ELASTIC.get(module)
+    mpi = (runtime.world().backend == "mpi" if runtime.is_initialized()
+           else "PLAIT_ELASTIC_DIR" in os.environ)
+    return importlib.import_module(relaunch if relaunch is not None and mpi else module)
+
+
+def elastic_attribute(face: str, module: str) -> Callable[[str], Any]:
+    """A module ``__getattr__`` giving a face Horovod's ``hvd.elastic`` (see
+    :func:`elastic_module`), or the names of ``hvd.elastic`` to the face's ``elastic``
+    submodule (``from plait.torch.elastic import run``, chosen when each name is read).
+
+    Args:
+        face: the face's (or its ``elastic`` submodule's) name.
+        module: the Horovod backend's elastic module for the face.
 
     Returns:
         The ``__getattr__`` function.
     """
+    submodule = face.endswith(".elastic")
 
     def __getattr__(name: str) -> Any:  # noqa: N807 - the module hook
+        if submodule and not name.startswith("__"):
+            return getattr(elastic_module(module), name)
         if name == "elastic":
-            relaunch = _RELAUNCH_ELASTIC.get(module)
-            mpi = (runtime.world().backend == "mpi" if runtime.is_initialized()
-                   else "PLAIT_ELASTIC_DIR" in os.environ)
-            return importlib.import_module(relaunch if relaunch is not None and mpi else module)
+            return elastic_module(module)
         raise AttributeError(f"module {face!r} has no attribute {name!r}")
 
     return __getattr__

@@ -837,6 +837,20 @@ _NOT_FACES = {
 }
 
 
+# Horovod's submodules that scripts import from (from horovod.torch.mpi_ops import Sum), and
+# the names they define that plait leaves out: autograd Functions, Spark's checkpoint, helpers
+_SUBMODULES = {
+    "horovod.torch": ("mpi_ops", "functions", "optimizer", "sync_batch_norm", "compression", "elastic"),
+    "horovod.tensorflow": ("mpi_ops", "functions", "sync_batch_norm", "compression", "elastic"),
+    "horovod.tensorflow.keras": ("callbacks", "elastic"),
+}
+_NOT_IN_SUBMODULES = {
+    "HorovodAllgather", "HorovodAllreduce", "HorovodAlltoall", "HorovodBroadcast",
+    "HorovodGroupedAllgather", "HorovodGroupedAllreduce", "HorovodGroupedReducescatter",
+    "HorovodReducescatter", "BestModelCheckpoint", "is_version_greater_equal_than",
+}
+
+
 def test_faces_have_horovods_public_names():
     import importlib
 
@@ -846,6 +860,12 @@ def test_faces_have_horovods_public_names():
         assert sorted(n for n in names - _NOT_FACES if not hasattr(face, n)) == [], real
         # the script's import with horovod replaced by plait gives the face itself
         assert importlib.import_module(real.replace("horovod", "plait")) is face, real
+        for sub in _SUBMODULES[real]:
+            theirs = importlib.import_module(f"{real}.{sub}")
+            ours = importlib.import_module(f"{real}.{sub}".replace("horovod", "plait"))
+            defined = {n for n in dir(theirs) if not n.startswith("_")
+                       and str(getattr(getattr(theirs, n), "__module__", "")).startswith(theirs.__name__)}
+            assert sorted(n for n in defined - _NOT_IN_SUBMODULES if not hasattr(ours, n)) == [], sub
 
 
 def test_in_place_and_grouped_async_forms():

@@ -15,7 +15,7 @@ from plait.adapters.torch import collective_function, grouped_collective_functio
 from plait.adapters.torch_sparse import sparse_allreduce_async
 from plait.adapters.torch_syncbn import SyncBatchNorm
 
-from ._face import (
+from .._face import (
     Adasum,
     Average,
     Done,
@@ -31,10 +31,10 @@ from ._face import (
     reduce_tensor,
     resolve_op,
 )
-from ._face import _claim as claim_name
-from ._face_compression import Compression, Compressor
-from ._process_sets import ProcessSet, add_process_set, global_process_set, outside, remove_process_set
-from .errors import HorovodInternalError, invalid
+from .._face import _claim as claim_name
+from .._face_compression import Compression, Compressor
+from .._process_sets import ProcessSet, add_process_set, global_process_set, outside, remove_process_set
+from ..errors import HorovodInternalError, invalid
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer",

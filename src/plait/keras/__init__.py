@@ -8,11 +8,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from plait.adapters import keras_callbacks as _cb
 from plait.adapters import keras_load, tf_optim
 from plait.adapters.keras_syncbn import SyncBatchNormalization
 
-from ._face import (
+from .._face import (
     Adasum,
     Average,
     Face,
@@ -24,11 +23,11 @@ from ._face import (
     elastic_attribute,
     gradient_compression,
 )
-from ._face_compression import Compression, Compressor
-from ._process_sets import ProcessSet, add_process_set, global_process_set, outside, remove_process_set
-from .errors import HorovodInternalError, invalid
-from .parallel.data import DEFAULT_BUCKET_MB
-from .tensorflow import (
+from .._face_compression import Compression, Compressor
+from .._process_sets import ProcessSet, add_process_set, global_process_set, outside, remove_process_set
+from ..errors import HorovodInternalError, invalid
+from ..parallel.data import DEFAULT_BUCKET_MB
+from ..tensorflow import (
     _executing_eagerly,
     allgather,
     allreduce,
@@ -36,7 +35,8 @@ from .tensorflow import (
     broadcast_variables,
     reducescatter,
 )
-from .tensorflow import broadcast_global_variables as _global_variables_op
+from ..tensorflow import broadcast_global_variables as _global_variables_op
+from . import callbacks
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer",
@@ -168,44 +168,6 @@ def broadcast_global_variables(root_rank: int) -> Any:
                            "(Keras 3 has no backend session): run it inside `with sess.as_default():`"
                            " or run plait.tensorflow.broadcast_global_variables(root_rank) yourself")
     return session.run(_global_variables_op(root_rank))
-
-
-class callbacks:  # noqa: N801 - Horovod's module name, hvd.callbacks.X
-    """Horovod's Keras callbacks (Horovod 0.28 signatures), bound to the world communicator
-    or to ``process_set``; ``device`` arguments have no effect."""
-
-    @staticmethod
-    def BroadcastGlobalVariablesCallback(root_rank: int = 0, device: str = "",  # noqa: N802
-                                         process_set: Any = None) -> Any:
-        """Copy ``root_rank``'s model and optimizer variables to all ranks when training starts."""
-        return _cb.BroadcastGlobalVariablesCallback(*reversed(_F.target(process_set, root_rank)))
-
-    @staticmethod
-    def MetricAverageCallback(device: str = "",  # noqa: N802
-                              process_set: Any = None) -> Any:
-        """Average each epoch's metrics over ranks."""
-        return _cb.MetricAverageCallback(_F.comm(process_set))
-
-    @staticmethod
-    def LearningRateScheduleCallback(  # noqa: N802
-        initial_lr: float, multiplier: Any, start_epoch: int = 0, end_epoch: float | None = None,
-        staircase: bool = True, momentum_correction: bool = True,
-        steps_per_epoch: int | None = None, process_set: Any = None,
-    ) -> Any:
-        """``lr = initial_lr * multiplier(epoch)`` from ``start_epoch`` to ``end_epoch``."""
-        return _cb.LearningRateScheduleCallback(
-            initial_lr, multiplier, _F.comm(process_set), start_epoch, end_epoch, staircase,
-            momentum_correction, steps_per_epoch)
-
-    @staticmethod
-    def LearningRateWarmupCallback(  # noqa: N802
-        initial_lr: float, warmup_epochs: float = 5, momentum_correction: bool = True,
-        steps_per_epoch: int | None = None, verbose: int = 0,
-        process_set: Any = None,
-    ) -> Any:
-        """Ramp the rate from ``initial_lr / size`` to ``initial_lr`` over ``warmup_epochs``."""
-        return _cb.LearningRateWarmupCallback(initial_lr, _F.comm(process_set), warmup_epochs,
-                                              momentum_correction, steps_per_epoch, verbose)
 
 
 #: ``hvd.elastic``: Horovod's elastic mode (``run``, the state objects), on first use.
