@@ -172,14 +172,16 @@ def elastic_module(module: str) -> ModuleType:
     return importlib.import_module(relaunch if relaunch is not None and mpi else module)
 
 
-def elastic_attribute(face: str, module: str) -> Callable[[str], Any]:
+def elastic_attribute(face: str, module: str, submodules: Sequence[str] = ()) -> Callable[[str], Any]:
     """A module ``__getattr__`` giving a face Horovod's ``hvd.elastic`` (see
-    :func:`elastic_module`), or the names of ``hvd.elastic`` to the face's ``elastic``
+    :func:`elastic_module`) and its other submodules on first use (``hvd.mpi_ops.Sum``, as
+    Horovod's package has them), or the names of ``hvd.elastic`` to the face's ``elastic``
     submodule (``from plait.torch.elastic import run``, chosen when each name is read).
 
     Args:
         face: the face's (or its ``elastic`` submodule's) name.
         module: the Horovod backend's elastic module for the face.
+        submodules: the face's submodules other than ``elastic``.
 
     Returns:
         The ``__getattr__`` function.
@@ -191,6 +193,8 @@ def elastic_attribute(face: str, module: str) -> Callable[[str], Any]:
             return getattr(elastic_module(module), name)
         if name == "elastic":
             return elastic_module(module)
+        if name in submodules:
+            return importlib.import_module(f"{face}.{name}")
         raise AttributeError(f"module {face!r} has no attribute {name!r}")
 
     return __getattr__

@@ -5,7 +5,6 @@ Horovod script on the MPI or the Horovod backend, with Keras 3 variables.
 from __future__ import annotations
 
 import functools
-import types
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -34,7 +33,6 @@ from .._process_sets import (
     ProcessSet,
     add_process_set,
     global_process_set,
-    ids_and_ranks,
     included,
     outside,
     remove_process_set,
@@ -761,15 +759,7 @@ for _name in ("allreduce", "allgather", "broadcast", "alltoall", "reducescatter"
     globals()[_name] = _raising_tf_errors(globals()[_name])
 del _name
 
-#: ``hvd.util``: the helpers of ``horovod.tensorflow.util`` that scripts and tests call.
-util = types.ModuleType(f"{__name__}.util", "Horovod's horovod.tensorflow.util helpers.")
-util._executing_eagerly = _executing_eagerly  # type: ignore[attr-defined]
-
-#: ``hvd.mpi_ops``: the internal of ``horovod.tensorflow.mpi_ops`` that Horovod's own tests
-#: call, ``hvd.mpi_ops._basics._get_process_set_ids_and_ranks()``.
-mpi_ops = types.ModuleType(f"{__name__}.mpi_ops", "Horovod's horovod.tensorflow.mpi_ops internals.")
-mpi_ops._basics = types.SimpleNamespace(  # type: ignore[attr-defined]
-    _get_process_set_ids_and_ranks=ids_and_ranks)
-
-#: ``hvd.elastic``: Horovod's elastic mode (``run``, the state objects), on first use.
-__getattr__ = elastic_attribute(__name__, "plait.collectives.horovod_elastic_tf")
+#: ``hvd.elastic``: Horovod's elastic mode (``run``, the state objects), and the other
+#: submodules Horovod's package has, on first use.
+__getattr__ = elastic_attribute(__name__, "plait.collectives.horovod_elastic_tf",
+                                ("compression", "functions", "keras", "mpi_ops", "sync_batch_norm", "util"))

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from plait._process_sets import ids_and_ranks
 from plait.tensorflow import (
     ProcessSet,
     add_process_set,
@@ -51,3 +54,6 @@ __all__ = [
     "rank_op", "remove_process_set", "rocm_built", "shutdown", "size", "size_op",
     "start_timeline", "stop_timeline",
 ]
+
+#: The internal that Horovod's own tests call: ``hvd.mpi_ops._basics._get_process_set_ids_and_ranks()``.
+_basics = SimpleNamespace(_get_process_set_ids_and_ranks=ids_and_ranks)

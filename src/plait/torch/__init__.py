@@ -409,5 +409,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         gradient_predivide_factor=gradient_predivide_factor)
 
 
-#: ``hvd.elastic``: Horovod's elastic mode (``run``, the state objects), on first use.
-__getattr__ = elastic_attribute(__name__, "plait.collectives.horovod_elastic_torch")
+#: ``hvd.elastic``: Horovod's elastic mode (``run``, the state objects), and the other
+#: submodules Horovod's package has, on first use.
+__getattr__ = elastic_attribute(__name__, "plait.collectives.horovod_elastic_torch",
+                                ("compression", "functions", "mpi_ops", "optimizer", "sync_batch_norm"))

@@ -3,6 +3,9 @@ Sum``): the :mod:`plait.torch` face's own objects."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from plait._process_sets import ids_and_ranks
 from plait.torch import (
     Adasum,
     Average,
@@ -81,3 +84,6 @@ __all__ = [
     "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
     "sparse_allreduce_async", "start_timeline", "stop_timeline", "Sum", "synchronize",
 ]
+
+#: The internal that Horovod's own tests call: ``hvd.mpi_ops._basics._get_process_set_ids_and_ranks()``.
+_basics = SimpleNamespace(_get_process_set_ids_and_ranks=ids_and_ranks)
