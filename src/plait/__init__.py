@@ -2,7 +2,8 @@
 
 ``import plait`` imports no framework, no mpi4py and no horovod; they are
 imported when a communicator or adapter needs them. ``plait.compression``
-(compressors and error-feedback memories) is reachable after ``import plait``.
+(compressors and error-feedback memories) is reachable after ``import plait``, and
+:func:`plait.run` runs a function on every rank of a new job (Horovod's ``horovod.run``).
 """
 
 from . import compression
@@ -16,6 +17,7 @@ from .errors import (
     PlaitError,
     PlaitTypeError,
 )
+from .launch.call import run
 from .parallel.mesh import Mesh
 from .parallel.pipeline import Pipeline
 from .parallel.tensor import ChannelSplit, Colwise, Rowwise, TensorParallel, VocabParallel
@@ -51,6 +53,7 @@ __all__ = [
     "compression",
     "init",
     "is_initialized",
+    "run",
     "shutdown",
     "world",
 ]
