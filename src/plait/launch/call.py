@@ -44,8 +44,8 @@ def result_path(workdir: Path, rank: int) -> Path:
 
 def _dumps(obj: Any) -> bytes:
     try:
-        import cloudpickle
-    except ImportError:  # functions of importable modules still travel by reference
+        import cloudpickle  # a dependency of plait; without it only importable functions travel
+    except ImportError:
         return pickle.dumps(obj)
     return bytes(cloudpickle.dumps(obj))
 
