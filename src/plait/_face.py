@@ -24,8 +24,8 @@ from .protocols import Communicator, Handle
 __all__ = [
     "Adasum", "Average", "Face", "Max", "Min", "Product", "Sum", "check_groups", "elastic_attribute",
     "elastic_module",
-    "Done", "MappedHandle", "gradient_compression", "keep_shape", "reduce_tensor", "resolve_op",
-    "scale",
+    "Done", "MappedHandle", "gradient_compression", "keep_shape", "num_rank_is_power_2",
+    "reduce_tensor", "resolve_op", "scale", "split_list",
 ]
 
 Average, Sum, Adasum, Min, Max, Product = "average", "sum", "adasum", "min", "max", "product"
@@ -198,6 +198,19 @@ def elastic_attribute(face: str, module: str, submodules: Sequence[str] = ()) ->
         raise AttributeError(f"module {face!r} has no attribute {name!r}")
 
     return __getattr__
+
+
+def split_list(items: Sequence[Any], n: int) -> list[Sequence[Any]]:
+    """Horovod's ``split_list``: ``items`` in ``n`` consecutive chunks whose lengths differ
+    by at most one (the longer ones first)."""
+    d, r = divmod(len(items), n)
+    return [items[i * d + min(i, r):(i + 1) * d + min(i + 1, r)] for i in range(n)]
+
+
+def num_rank_is_power_2(num_rank: int) -> bool:
+    """Horovod's ``num_rank_is_power_2`` (``check_num_rank_power_of_2`` in TensorFlow):
+    whether ``num_rank`` is a power of two (what Horovod's Adasum needs)."""
+    return num_rank != 0 and (num_rank & (num_rank - 1)) == 0
 
 
 def resolve_op(average: bool | None, op: str | None, default: str = Average) -> str:
@@ -417,6 +430,12 @@ class Face:
     def rocm_built(self) -> bool:
         """Whether the backend has ROCm kernels (MPI backend: False)."""
         return bool(self._query("rocm_built", False))
+
+    def gpu_available(self, ext_base_name: str = "", verbose: bool = False) -> bool:
+        """Horovod's ``gpu_available(ext_base_name)``: whether the backend's library for
+        ``ext_base_name`` ("torch", "tensorflow") has GPU kernels, CUDA or ROCm (MPI
+        backend: False; ``verbose`` has no effect)."""
+        return self.cuda_built() or self.rocm_built()
 
     def mpi_enabled(self) -> bool:
         """Whether MPI carries this job's collectives now (MPI backend: True)."""

@@ -830,8 +830,8 @@ def test_tf_face_errors_util_and_global_variables_as_horovod():
 # names of Horovod 0.28's modules that plait leaves out: submodules and internals
 _NOT_FACES = {
     "check_extension", "mpi_lib_v2", "LocalGradientAggregationHelper",
-    "broadcast_object_fn", "check_num_rank_power_of_2", "gpu_available", "gradient_aggregation",
-    "handle_average_backwards_compatibility", "os", "refs_to_vars", "split_list", "tf", "util",
+    "broadcast_object_fn", "gradient_aggregation",
+    "handle_average_backwards_compatibility", "os", "refs_to_vars", "tf", "util",
     "vars_to_refs", "version", "warnings", "K", "inspect", "is_version_greater_equal_than",
     "keras",
 }
@@ -866,6 +866,13 @@ def test_faces_have_horovods_public_names():
             defined = {n for n in dir(theirs) if not n.startswith("_")
                        and str(getattr(getattr(theirs, n), "__module__", "")).startswith(theirs.__name__)}
             assert sorted(n for n in defined - _NOT_IN_SUBMODULES if not hasattr(ours, n)) == [], sub
+    real_tf = importlib.import_module("horovod.tensorflow")
+    for items, parts in (([1, 2, 3, 4, 5], 2), (list(range(7)), 3), ([], 2)):
+        assert htf.split_list(items, parts) == real_tf.split_list(items, parts)
+    assert [htf.check_num_rank_power_of_2(k) for k in range(9)] == [
+        real_tf.check_num_rank_power_of_2(k) for k in range(9)]
+    assert htf.gpu_available("tensorflow") == real_tf.gpu_available("tensorflow")  # a CPU build here
+    assert hvd.mpi_ops.gpu_available("torch") is False and hvd.mpi_ops.num_rank_is_power_2(8)
 
 
 def test_in_place_and_grouped_async_forms():

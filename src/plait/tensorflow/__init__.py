@@ -23,9 +23,11 @@ from .._face import (
     elastic_attribute,
     gradient_compression,
     keep_shape,
+    num_rank_is_power_2,
     reduce_tensor,
     resolve_op,
     scale,
+    split_list,
 )
 from .._face import _claim as claim_name
 from .._face_compression import Compression, Compressor
@@ -42,6 +44,7 @@ from ..errors import HorovodInternalError, invalid
 from ..parallel.data import DEFAULT_BUCKET_MB
 
 __all__ = [
+    "check_num_rank_power_of_2", "gpu_available", "split_list",
     "Adasum", "Average", "Compression", "Compressor", "DistributedGradientTape",
     "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "PartialDistributedGradientTape",
     "ProcessSet", "Product", "Sum", "SyncBatchNormalization",
@@ -67,6 +70,7 @@ cuda_built, rocm_built, ddl_built, is_homogeneous = (_F.cuda_built, _F.rocm_buil
                                                      _F.is_homogeneous)
 mpi_enabled, gloo_enabled = _F.mpi_enabled, _F.gloo_enabled
 join, start_timeline, stop_timeline = _F.join, _F.start_timeline, _F.stop_timeline
+gpu_available, check_num_rank_power_of_2 = _F.gpu_available, num_rank_is_power_2
 barrier = _F.barrier
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+from plait._face import Face, num_rank_is_power_2
 from plait._process_sets import ids_and_ranks
 from plait.torch import (
     Adasum,
@@ -71,6 +72,7 @@ from plait.torch import (
 )
 
 __all__ = [
+    "gpu_available", "num_rank_is_power_2",
     "Adasum", "add_process_set", "allgather", "allgather_async", "allreduce", "allreduce_",
     "allreduce_async", "allreduce_async_", "alltoall", "alltoall_async", "Average", "barrier",
     "broadcast", "broadcast_", "broadcast_async", "broadcast_async_", "ccl_built",
@@ -84,6 +86,9 @@ __all__ = [
     "reducescatter_async", "remove_process_set", "rocm_built", "shutdown", "size",
     "sparse_allreduce_async", "start_timeline", "stop_timeline", "Sum", "synchronize",
 ]
+
+#: Horovod's ``gpu_available(ext_base_name)``: whether the backend has GPU kernels.
+gpu_available = Face("torch").gpu_available
 
 #: The internal that Horovod's own tests call: ``hvd.mpi_ops._basics._get_process_set_ids_and_ranks()``.
 _basics = SimpleNamespace(_get_process_set_ids_and_ranks=ids_and_ranks)
