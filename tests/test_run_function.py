@@ -65,6 +65,7 @@ def test_use_gloo_runs_the_function_under_horovodrun_on_the_horovod_backend(monk
     ({"np": "2"}, "np='2'"),
     ({"np": 2, "use_gloo": True, "use_mpi": True}, "choose one"),
     ({"np": 2, "min_np": 1}, "min_np=1: plait.run does not take"),
+    ({"np": 2, "timeout": 0}, "timeout=0"),
 ])
 def test_bad_arguments_name_the_value(kwargs, match):
     with pytest.raises(ConfigError, match=match):

@@ -104,10 +104,15 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str,
 
     Raises:
         ConfigError: for a bad argument (naming it), or one plait does not take.
+        FileNotFoundError: when the launcher is not installed.
         RuntimeError: when a rank raised (with its traceback), or the job failed or timed
             out before every rank returned (with the launcher's exit status).
     """
     _check(func, np, use_gloo, use_mpi, unsupported)
+    for name, seconds in (("timeout", timeout), ("start_timeout", start_timeout)):
+        if seconds is not None and (isinstance(seconds, bool) or not isinstance(seconds, (int, float))
+                                    or seconds <= 0):
+            raise invalid(name, seconds, "a number of seconds > 0, or None")
     argv = _launch_argv(np, hosts, hostfile, use_gloo, start_timeout, network_interfaces, timeout)
     remote = hostfile is not None or hosts is not None
     base = os.environ.get("PLAIT_RUN_DIR") or (os.getcwd() if remote else None)
@@ -117,7 +122,12 @@ def run(func: Callable[..., Any], args: Sequence[Any] = (), kwargs: Mapping[str,
         parsed = build_parser().parse_args(
             [*argv, "--", executable or sys.executable, "-m", "plait.launch.call_rank", str(workdir)])
         cmd = build_command(spec_from_args(parsed), os.environ, is_root=os.geteuid() == 0)
-        status = run_command(cmd, parsed.timeout)
+        try:
+            status = run_command(cmd, parsed.timeout)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(
+                f"plait.run: the launcher {cmd.argv[0]!r} is not on PATH (mpirun: apt-get install "
+                "openmpi-bin; horovodrun: pip install horovod)") from exc
         return _results(workdir, np, status)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -153,9 +163,10 @@ def _results(workdir: Path, np: int, status: int) -> list[Any]:
         if kind == "error":
             raise RuntimeError(f"plait.run: rank {rank} raised:\n{value}")
     missing = [r for r in range(np) if r not in outcomes]
-    if missing or status != 0:
-        raise RuntimeError(
-            f"plait.run: the job ended with exit status {status} before ranks {missing} returned "
-            "(the launcher's output above says why)" if missing else
-            f"plait.run: the job ended with exit status {status} after every rank returned")
+    if missing:
+        raise RuntimeError(f"plait.run: the job ended with exit status {status} before ranks "
+                           f"{missing} returned (the launcher's output above says why)")
+    if status != 0:
+        raise RuntimeError(f"plait.run: the job ended with exit status {status} after every "
+                           "rank returned")
     return [outcomes[r][1] for r in range(np)]
