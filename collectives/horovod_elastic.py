@@ -19,16 +19,21 @@ Elastic jobs are started by ``horovodrun --host-discovery-script ... --min-np A`
 from __future__ import annotations
 
 import copy
+import os
+import socket
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from horovod.common.elastic import run_fn
+from horovod.common.exceptions import HorovodInternalError
 
 from plait.checkpoint.state import Stateful, as_stateful
+from plait.elastic_relaunch import mismatched, versions
+from plait.errors import ConfigError
 
 from .timeline import span
 
-__all__ = ["PlaitObjects", "elastic_run", "reset"]
+__all__ = ["PlaitObjects", "check_versions", "elastic_run", "reset"]
 
 
 class PlaitObjects:
@@ -60,6 +65,36 @@ class PlaitObjects:
         """
         for name, obj in self.objects.items():
             obj.load_state_dict(broadcast_object(dict(obj.state_dict()), f"plait.elastic.{name}"))
+
+
+def check_versions(hvd: Any) -> None:
+    """Before each sync (at the start and after every membership change), check that
+    every worker runs the plait, torch, TensorFlow and Keras versions most workers run.
+
+    A worker that runs others leaves the job: it raises :class:`ConfigError` (its process
+    ends, and Horovod's elastic driver leaves its host out of the next round). The others
+    raise ``HorovodInternalError``, so ``hvd.elastic.run`` restores the last commit and
+    goes on without it.
+
+    Args:
+        hvd: ``horovod.torch`` or ``horovod.tensorflow``.
+
+    Raises:
+        ConfigError: on a worker whose versions differ from most workers'.
+        HorovodInternalError: on the other workers, when some worker's versions differ.
+    """
+    every = list(hvd.allgather_object(versions(), name="plait.elastic.versions"))
+    common, odd = mismatched(every)
+    if not odd:
+        return
+    me = int(hvd.rank())
+    host = os.environ.get("HOROVOD_HOSTNAME", socket.gethostname())
+    if me in odd:
+        raise ConfigError(f"this worker (rank {me}, host {host}) runs {every[me]}, the elastic job "
+                          f"runs {common}: it leaves the job (install the job's versions here)")
+    raise HorovodInternalError(
+        f"ranks {odd} run other versions than the elastic job ({common}): "
+        f"{', '.join(f'rank {r}: {every[r]}' for r in odd)}; the others go on without them")
 
 
 def reset(hvd: Any, framework: str) -> None:

@@ -30,7 +30,7 @@ from plait.adapters.keras_elastic import check_state_arguments
 
 from plait.errors import invalid
 
-from .horovod_elastic import PlaitObjects, elastic_run
+from .horovod_elastic import PlaitObjects, check_versions, elastic_run
 
 __all__ = [
     "CommitStateCallback", "KerasState", "TensorFlowKerasState", "TensorFlowState",
@@ -113,7 +113,9 @@ class TensorFlowState(ObjectState):  # type: ignore[misc]
         super().restore()
 
     def sync(self) -> None:
-        """Make every worker (new ones too) hold rank 0's variables, attributes and objects."""
+        """Make every worker (new ones too) hold rank 0's variables, attributes and objects,
+        once every worker was found to run the job's versions (see :func:`check_versions`)."""
+        check_versions(hvd)
         values = [np.array(v.numpy()) for v in self._variables()]
         self._load_variables(_broadcast_object(values, "plait.elastic.variables"))
         self._plait.sync(_broadcast_object)

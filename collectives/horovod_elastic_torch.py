@@ -17,7 +17,7 @@ import horovod.torch as hvd
 from horovod.torch.elastic import ElasticSampler
 from horovod.torch.elastic import TorchState as _HorovodTorchState
 
-from .horovod_elastic import PlaitObjects, elastic_run
+from .horovod_elastic import PlaitObjects, check_versions, elastic_run
 
 __all__ = ["ElasticSampler", "TorchState", "run"]
 
@@ -68,7 +68,9 @@ class TorchState(_HorovodTorchState):  # type: ignore[misc]
                 self._handlers[name]._saved_optimizer_state = saved
 
     def sync(self) -> None:
-        """Make every worker (new ones too) hold rank 0's state."""
+        """Make every worker (new ones too) hold rank 0's state, once every worker was
+        found to run the job's versions (see :func:`check_versions`)."""
+        check_versions(hvd)
         super().sync()
         self._plait.sync(lambda obj, name: hvd.broadcast_object(obj, root_rank=0, name=name))
 

@@ -27,6 +27,7 @@ import numpy as np
 import pytest
 from jobs import ROOT, mpi_env
 
+import plait
 from plait.checkpoint import Checkpoint
 from plait.errors import ConfigError
 from plait.launch.command import LaunchSpec
@@ -307,7 +308,7 @@ Factory = Callable[..., EmulatedHosts]
 def horovod_elastic(tmp_path: Path, job: str, hosts_text: str, env: dict[str, str],
                     timeout: float, hosts: EmulatedHosts | None = None) -> str:
     """Run ``job`` under ``horovodrun`` in elastic mode (2 to 3 workers) with a discovery
-    script printing HVD_HOSTS, which the job rewrites; return stdout. Asserts exit 0."""
+    script printing HVD_HOSTS, which the job rewrites; return stdout and stderr. Asserts exit 0."""
     hosts_file = tmp_path / "hosts"
     hosts_file.write_text(hosts_text)
     discover = tmp_path / "discover.sh"
@@ -325,7 +326,7 @@ def horovod_elastic(tmp_path: Path, job: str, hosts_text: str, env: dict[str, st
         proc = hosts.exec(hosts.hosts[0], argv, timeout=timeout, cwd=str(ROOT),
                           env=hosts.env(mpi_env(env)))
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
-    return proc.stdout
+    return f"{proc.stdout}\n{proc.stderr}"
 
 
 HOROVODRUN = pytest.mark.skipif(not (Path(sys.executable).parent / "horovodrun").exists(),
@@ -355,6 +356,27 @@ def test_horovod_elastic_torch_adds_and_removes_a_host(
     joined = re.search(r"HVD joined rank=2 step=(\d+) seen=([\d.]+) host=(\S+)", out)
     assert joined is not None and int(joined.group(1)) == float(joined.group(2)) > 1, out[-3000:]
     assert joined.group(3) == names[2], out[-3000:]  # the worker that joined ran on the added host
+
+
+@HOROVODRUN
+@pytest.mark.timeout(400)
+def test_horovod_elastic_worker_with_other_versions_leaves_and_the_others_go_on(
+        tmp_path: Path, digits: str, emulated_hosts: Factory) -> None:  # noqa: F811
+    """A third host joins whose plait reports another version: its worker leaves with an
+    error naming both versions, the two others reset without it and finish, in step."""
+    hosts = emulated_hosts(3, slots=1)
+    names = hosts.hosts
+    two = f"{names[0]}:1\n{names[1]}:1\n"
+    out = horovod_elastic(tmp_path, "job_ckpt_hvd_elastic.py", two,
+                          {"FT_DATA": digits, "HVD_ADD": "3", "HVD_REMOVE": "99", "HVD_STEPS": "8",
+                           "HVD_GROWN": f"{two}{names[2]}:1\n", "HVD_ODD_HOST": names[2]},
+                          timeout=360, hosts=hosts)
+    done = re.search(r"HVD done sizes=\[(.*?)\] replicas_equal=(\w+) residual_steps=\[(.*?)\]", out)
+    assert done is not None, out[-3000:]
+    assert done.group(1) == "2" and done.group(2) == "True", out[-3000:]
+    assert [float(s) for s in done.group(3).split(",")] == [8.0, 8.0], out[-3000:]
+    assert re.search(rf"ConfigError: this worker \(rank \d, host {names[2]}\) runs plait 0\.0\.0\+other"
+                     rf".* the elastic job runs plait {re.escape(plait.__version__)}", out), out[-3000:]
 
 
 def check_keras_elastic(out: str) -> None:

@@ -5,7 +5,8 @@ Horovod backend, ``hvd.elastic.TorchState`` carrying a plait state object, and
 ``hvd.elastic.run``. Run by ``horovodrun --host-discovery-script`` (not a pytest file). Rank 0
 rewrites the discovery file (HVD_HOSTS, lines ``host:slots``) to HVD_GROWN (default
 ``localhost:3``: one more slot or host) at step HVD_ADD and back to its first content
-at step HVD_REMOVE; training continues across both changes and finishes.
+at step HVD_REMOVE; training continues across both changes and finishes. On the host named
+HVD_ODD_HOST plait reports another version (that worker must leave the job).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ def main() -> None:
     from plait.compression import Residual
 
     torch.set_num_threads(1)
+    if socket.gethostname() == os.environ.get("HVD_ODD_HOST"):
+        import plait
+
+        plait.__version__ = "0.0.0+other"  # as if this host had another plait installed
     hvd.init()  # plait's world on the Horovod backend (started by horovodrun)
     assert hvd.backend() == "horovod"
     steps = int(os.environ.get("HVD_STEPS", "14"))
