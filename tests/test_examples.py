@@ -98,8 +98,12 @@ def test_a_model_no_rank_could_hold_trains_per_stage(framework, ranks):
     assert "every rank within 1000 MiB" in result.output, result.tail()
     whole, grown = map(float, re.findall(
         r"whole model state (\d+) MiB; largest growth of a rank (\d+) MiB", result.output)[-1])
-    # measured: torch P=2 759-854 MiB (its largest stage holds 641 MiB of state), Keras P=4 468
-    assert grown < whole / ranks + 350, (grown, whole)
+    # a rank that built the whole model would grow by the whole state plus the runtime's own;
+    # measured: torch P=2 759-854 MiB (its largest stage holds 641 MiB of state); Keras P=4 468
+    # on an earlier machine, 632-794 on this one with the same versions (Keras/TF's temporaries
+    # of the Adam update and allocator caching grow from the first step: 177 MiB after
+    # building the stage, ~600 after the first step)
+    assert grown < whole / ranks + (350 if framework == "torch" else 600), (grown, whole)
 
 
 def test_async_digits_local_sgd():
