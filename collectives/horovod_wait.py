@@ -63,7 +63,7 @@ def spin(done: Callable[[], bool], deadline: float) -> None:
     interleaved in one job). Between polls ``os.sched_yield`` gives the core to Horovod's
     background thread: ``time.sleep(0)`` does not (an absolute sleep already due returns
     without scheduling), and with it the same step took 28-32 ms where Horovod's own took
-    22-23 ms (and Horovod's took 41-51 ms beside it: the ranks' background threads starved
+    22-26 ms (and Horovod's took 41-51 ms beside it: the ranks' background threads starved
     while the other rank spun); with ``sched_yield`` 24-28 ms (1.01-1.09x, 5 jobs).
 
     Args:
