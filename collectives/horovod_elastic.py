@@ -67,7 +67,7 @@ class PlaitObjects:
             obj.load_state_dict(broadcast_object(dict(obj.state_dict()), f"plait.elastic.{name}"))
 
 
-def check_versions(hvd: Any) -> None:
+def check_versions(allgather_object: Callable[[Any], Any], rank: int) -> None:
     """Before each sync (at the start and after every membership change), check that
     every worker runs the plait, torch, TensorFlow and Keras versions most workers run.
 
@@ -77,17 +77,19 @@ def check_versions(hvd: Any) -> None:
     goes on without it.
 
     Args:
-        hvd: ``horovod.torch`` or ``horovod.tensorflow``.
+        allgather_object: gathers one object from every worker, by rank (Horovod's
+            ``allgather_object``, or plait's world's where the state syncs through it).
+        rank: this worker's rank.
 
     Raises:
         ConfigError: on a worker whose versions differ from most workers'.
         HorovodInternalError: on the other workers, when some worker's versions differ.
     """
-    every = list(hvd.allgather_object(versions(), name="plait.elastic.versions"))
+    every = list(allgather_object(versions()))
     common, odd = mismatched(every)
     if not odd:
         return
-    me = int(hvd.rank())
+    me = rank
     host = os.environ.get("HOROVOD_HOSTNAME", socket.gethostname())
     if me in odd:
         raise ConfigError(f"this worker (rank {me}, host {host}) runs {every[me]}, the elastic job "

@@ -59,6 +59,13 @@ def _broadcast_object(obj: Any, name: str | None = None) -> Any:
     return hvd.broadcast_object(obj, root_rank=0, name=name or "plait.elastic.object")
 
 
+def _allgather_object(obj: Any) -> Any:
+    world = _plait_mpi()
+    if world is not None:
+        return world.allgather_object(obj)
+    return hvd.allgather_object(obj, name="plait.elastic.versions")
+
+
 def _rank() -> int:
     world = _plait_mpi()
     return int(world.rank) if world is not None else int(hvd.rank())
@@ -115,7 +122,7 @@ class TensorFlowState(ObjectState):  # type: ignore[misc]
     def sync(self) -> None:
         """Make every worker (new ones too) hold rank 0's variables, attributes and objects,
         once every worker was found to run the job's versions (see :func:`check_versions`)."""
-        check_versions(hvd)
+        check_versions(_allgather_object, _rank())
         values = [np.array(v.numpy()) for v in self._variables()]
         self._load_variables(_broadcast_object(values, "plait.elastic.variables"))
         self._plait.sync(_broadcast_object)

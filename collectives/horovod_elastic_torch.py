@@ -70,7 +70,8 @@ class TorchState(_HorovodTorchState):  # type: ignore[misc]
     def sync(self) -> None:
         """Make every worker (new ones too) hold rank 0's state, once every worker was
         found to run the job's versions (see :func:`check_versions`)."""
-        check_versions(hvd)
+        check_versions(lambda obj: hvd.allgather_object(obj, name="plait.elastic.versions"),
+                       int(hvd.rank()))
         super().sync()
         self._plait.sync(lambda obj, name: hvd.broadcast_object(obj, root_rank=0, name=name))
 
