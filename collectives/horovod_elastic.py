@@ -89,10 +89,9 @@ def check_versions(allgather_object: Callable[[Any], Any], rank: int) -> None:
     common, odd = mismatched(every)
     if not odd:
         return
-    me = rank
     host = os.environ.get("HOROVOD_HOSTNAME", socket.gethostname())
-    if me in odd:
-        raise ConfigError(f"this worker (rank {me}, host {host}) runs {every[me]}, the elastic job "
+    if rank in odd:
+        raise ConfigError(f"this worker (rank {rank}, host {host}) runs {every[rank]}, the elastic job "
                           f"runs {common}: it leaves the job (install the job's versions here)")
     raise HorovodInternalError(
         f"ranks {odd} run other versions than the elastic job ({common}): "

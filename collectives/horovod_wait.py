@@ -1,7 +1,8 @@
 """Waiting on a Horovod handle with a timeout.
 
 ``horovod.torch.synchronize(handle)`` has no timeout: in C++ it polls the handle and
-yields the CPU between polls, releasing the GIL while it yields. Two bounded waits:
+yields the CPU between polls, holding the GIL (its binding does not release it). Two
+bounded waits:
 
 * :class:`BlockingWaits` (MPI jobs) runs ``synchronize`` on a parked daemon thread and
   lets the caller wait on an event with a timeout. Polling on the caller's thread with
