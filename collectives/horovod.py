@@ -201,8 +201,8 @@ class _World:
         self.hvd.init(process_sets="dynamic" if self.dynamic else None)
 
     def next_id(self) -> int:
-        """Id of a new communicator: the same on all its ranks, since communicators
-        are created collectively in the same order."""
+        """Id of a new communicator: the same on all its ranks (:meth:`HorovodCommunicator.split`
+        first agrees on the count over the parent group), and never reused in this process."""
         self.communicators += 1
         return self.communicators
 
@@ -899,11 +899,14 @@ class HorovodCommunicator(CommunicatorBase):
                 by global rank, which Horovod process sets cannot do.
         """
         me = (int(color), int(key), int(self._set.ranks[self.rank]) if self._set.ranks
-              else self.rank)
+              else self.rank, self._w.communicators)
         everyone = self.allgather_object(me)
         groups: dict[int, list[tuple[int, int]]] = {}
-        for c, k, g in everyone:
+        for c, k, g, _ in everyone:
             groups.setdefault(c, []).append((k, g))
+        # the new group's id (it names the group's ops) must be equal on its ranks, but
+        # ranks that split other groups have counted further: continue from the largest
+        self._w.communicators = max(n for *_, n in everyone)
         mine = None
         for c in sorted(groups):
             ranks = tuple(g for _, g in sorted(groups[c]))

@@ -89,14 +89,14 @@ def test_data_parallel_strategy_torch_equals_serial():
     dp = plait.DataParallel(comm=plait.world())
     opt = dp.optimizer(torch.optim.SGD(m.parameters(), lr=0.5), m.named_parameters())
     dp.broadcast(m, opt)
-    x = torch.arange(16.0).reshape(4 * 1, 4) / 10
-    y = torch.tensor([0, 1, 1, 0])
+    n, r = hvd.size(), hvd.rank()
+    x = torch.arange(8.0 * n).reshape(2 * n, 4) / (10 * n)  # 2 rows per rank
+    y = torch.tensor([0, 1] * n)
     serial = torch.nn.Linear(4, 2)
     serial.load_state_dict(m.state_dict())
     torch.nn.functional.cross_entropy(serial(x), y).backward()
     torch.optim.SGD(serial.parameters(), lr=0.5).step()
-    n, r = hvd.size(), hvd.rank()
-    rows = slice(r * 4 // n, (r + 1) * 4 // n)  # the jobs run on 2 ranks
+    rows = slice(2 * r, 2 * r + 2)
     torch.nn.functional.cross_entropy(m(x[rows]), y[rows]).backward()
     opt.step()
     torch.testing.assert_close(m.weight, serial.weight, rtol=0, atol=1e-6)
@@ -502,6 +502,57 @@ def test_alltoall_returns_what_horovod_returns():
                                  name="real.a2a.s")) == 2
 
 
+def _autograd_grads(lib) -> dict[str, list[float]]:
+    """Gradients through allreduce, allgather, broadcast, alltoall and reducescatter of ``lib``."""
+    r, n = lib.rank(), lib.size()
+    grads = {}
+    w = torch.ones(2, requires_grad=True)
+    lib.allreduce(w * 1, op=lib.Sum, prescale_factor=2.0).mul(r + 1).sum().backward()
+    grads["allreduce"] = w.grad.tolist()
+    w = torch.ones(r + 1, requires_grad=True)  # ragged rows
+    lib.allgather(w * 1).mul(r + 1).sum().backward()
+    grads["allgather"] = w.grad.tolist()
+    w = torch.ones(2, requires_grad=True)
+    lib.broadcast(w * 1, root_rank=n - 1).mul(r + 1).sum().backward()
+    grads["broadcast"] = w.grad.tolist()
+    w = torch.arange(float(n), requires_grad=True)
+    out, _ = lib.alltoall(w * 1, splits=torch.ones(n, dtype=torch.int32))
+    out.mul(r + 1).sum().backward()
+    grads["alltoall"] = w.grad.tolist()
+    w = torch.ones(n * (r + 1), requires_grad=True)  # even splits, but ragged across ranks
+    lib.alltoall(w * 1).mul(r + 1).sum().backward()
+    grads["alltoall_even"] = w.grad.tolist()
+    a, b = torch.ones(2, requires_grad=True), torch.ones(1, requires_grad=True)
+    outs = lib.grouped_allreduce([a * 1, b * 1], op=lib.Sum)
+    (outs[0].mul(r + 1).sum() + outs[1].mul(r + 1).sum()).backward()
+    grads["grouped_allreduce"] = a.grad.tolist() + b.grad.tolist()
+    w = torch.ones(2 * n, requires_grad=True)
+    lib.reducescatter(w * 1, op=lib.Sum).mul(r + 1).sum().backward()
+    grads["reducescatter"] = w.grad.tolist()
+    return grads
+
+
+def test_torch_collectives_are_differentiable_as_in_horovod():
+    r, n = hvd.rank(), hvd.size()
+    mean = (n + 1) / 2  # the average of the upstream gradients (r + 1)
+    expected = {
+        "allreduce": [2.0 * n * (n + 1) / 2] * 2,  # allreduce(Sum, prescale 2) of the upstream
+        "allgather": [mean] * (r + 1),
+        "broadcast": [mean if r == n - 1 else 0.0] * 2,
+        "alltoall": [float(q + 1) for q in range(n)],
+        "alltoall_even": [float(q + 1) for q in range(n) for _ in range(r + 1)],
+        "grouped_allreduce": [n * (n + 1) / 2] * 3,
+        "reducescatter": [float(n * (q + 1)) for q in range(n) for _ in (0, 1)],
+    }
+    assert _autograd_grads(hvd) == expected
+    if hvd.backend() == "horovod":  # real horovod.torch gives the same gradients
+        # (before test_process_sets: its ranks start different numbers of Horovod ops, and
+        # real Horovod names unnamed ops, backward's too, by the process's op count)
+        import horovod.torch as real
+
+        assert _autograd_grads(real) == expected
+
+
 def test_process_sets():
     r, n = hvd.rank(), hvd.size()
     with pytest.raises(ValueError, match="dynamic"):
@@ -593,55 +644,6 @@ def test_grouped_forms_and_scale_factors():
     assert [int(t.shape[0]) for t in tg] == [n, 2 * n]
 
 
-def _autograd_grads(lib) -> dict[str, list[float]]:
-    """Gradients through allreduce, allgather, broadcast, alltoall and reducescatter of ``lib``."""
-    r, n = lib.rank(), lib.size()
-    grads = {}
-    w = torch.ones(2, requires_grad=True)
-    lib.allreduce(w * 1, op=lib.Sum, prescale_factor=2.0).mul(r + 1).sum().backward()
-    grads["allreduce"] = w.grad.tolist()
-    w = torch.ones(r + 1, requires_grad=True)  # ragged rows
-    lib.allgather(w * 1).mul(r + 1).sum().backward()
-    grads["allgather"] = w.grad.tolist()
-    w = torch.ones(2, requires_grad=True)
-    lib.broadcast(w * 1, root_rank=n - 1).mul(r + 1).sum().backward()
-    grads["broadcast"] = w.grad.tolist()
-    w = torch.arange(float(n), requires_grad=True)
-    out, _ = lib.alltoall(w * 1, splits=torch.ones(n, dtype=torch.int32))
-    out.mul(r + 1).sum().backward()
-    grads["alltoall"] = w.grad.tolist()
-    w = torch.ones(n * (r + 1), requires_grad=True)  # even splits, but ragged across ranks
-    lib.alltoall(w * 1).mul(r + 1).sum().backward()
-    grads["alltoall_even"] = w.grad.tolist()
-    a, b = torch.ones(2, requires_grad=True), torch.ones(1, requires_grad=True)
-    outs = lib.grouped_allreduce([a * 1, b * 1], op=lib.Sum)
-    (outs[0].mul(r + 1).sum() + outs[1].mul(r + 1).sum()).backward()
-    grads["grouped_allreduce"] = a.grad.tolist() + b.grad.tolist()
-    w = torch.ones(2 * n, requires_grad=True)
-    lib.reducescatter(w * 1, op=lib.Sum).mul(r + 1).sum().backward()
-    grads["reducescatter"] = w.grad.tolist()
-    return grads
-
-
-def test_torch_collectives_are_differentiable_as_in_horovod():
-    r, n = hvd.rank(), hvd.size()
-    mean = (n + 1) / 2  # the average of the upstream gradients (r + 1)
-    expected = {
-        "allreduce": [2.0 * n * (n + 1) / 2] * 2,  # allreduce(Sum, prescale 2) of the upstream
-        "allgather": [mean] * (r + 1),
-        "broadcast": [mean if r == n - 1 else 0.0] * 2,
-        "alltoall": [float(q + 1) for q in range(n)],
-        "alltoall_even": [float(q + 1) for q in range(n) for _ in range(r + 1)],
-        "grouped_allreduce": [n * (n + 1) / 2] * 3,
-        "reducescatter": [float(n * (q + 1)) for q in range(n) for _ in (0, 1)],
-    }
-    assert _autograd_grads(hvd) == expected
-    if hvd.backend() == "horovod":  # real horovod.torch gives the same gradients
-        import horovod.torch as real
-
-        assert _autograd_grads(real) == expected
-
-
 def test_join_returns_the_last_rank_to_join_and_timeline_calls():
     import time
 
@@ -673,10 +675,13 @@ def test_joined_ranks_contribute_zeros_to_the_others_allreduces():
             hb = hvd.allreduce_async(b, name="join.b", op=hvd.Sum)
             avg, total = hvd.synchronize(ha), hvd.synchronize(hb)
             grouped = hvd.grouped_allreduce([a, b], op=hvd.Sum)
+            if n > 2 and me == (n - 1 if first != n - 1 else n - 2):
+                time.sleep(0.1)  # the others join first: the last one is known
             last = hvd.join()
             expect = a * (n - 1)
             expect = expect / n if dtype.is_floating_point else expect.div(n, rounding_mode="trunc")
-            assert torch.equal(avg, expect.to(dtype))  # an average divides by the whole group
+            # an average divides by the whole group (Horovod multiplies by 1 / n: not exact at 3)
+            torch.testing.assert_close(avg, expect.to(dtype), rtol=1e-6, atol=0)
             assert torch.equal(total, b * (n - 1))
             assert torch.equal(grouped[0], a * (n - 1)) and torch.equal(grouped[1], b * (n - 1))
         assert last == (n - 1 if first != n - 1 else n - 2)
