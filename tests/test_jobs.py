@@ -40,6 +40,7 @@ JOBS = [
     # way; the negotiation must still pair them up)
     ("mpirun", 3, f"job_dp_tf.py -k {GRAPH_TESTS}", {"PLAIT_TEST_BACKENDS": "mpi"}),
     ("horovodrun-mpi", 2, "job_dp_tf.py", HVD_TF),
+    ("horovodrun-mpi", 3, f"job_dp_tf.py -k {GRAPH_TESTS}", HVD_TF),
     # Horovod's API on plait, at 2 and 3 ranks on both backends (3 ranks once found
     # process sets whose communicators got different ids on their ranks). On the MPI
     # backend one launch runs the three files; on Horovod's they run apart: job_faces
