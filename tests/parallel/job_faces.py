@@ -668,6 +668,7 @@ def test_joined_ranks_contribute_zeros_to_the_others_allreduces():
         torch.manual_seed(numel)
         a = torch.randint(-100, 100, (numel,)).to(dtype)
         b = torch.randint(-100, 100, (numel, 3)).to(dtype)
+        last_to_join = n - 1 if first != n - 1 else n - 2
         if me == first:
             last = hvd.join()
         else:
@@ -675,7 +676,7 @@ def test_joined_ranks_contribute_zeros_to_the_others_allreduces():
             hb = hvd.allreduce_async(b, name="join.b", op=hvd.Sum)
             avg, total = hvd.synchronize(ha), hvd.synchronize(hb)
             grouped = hvd.grouped_allreduce([a, b], op=hvd.Sum)
-            if n > 2 and me == (n - 1 if first != n - 1 else n - 2):
+            if n > 2 and me == last_to_join:
                 time.sleep(0.1)  # the others join first: the last one is known
             last = hvd.join()
             expect = a * (n - 1)
@@ -684,7 +685,7 @@ def test_joined_ranks_contribute_zeros_to_the_others_allreduces():
             torch.testing.assert_close(avg, expect.to(dtype), rtol=1e-6, atol=0)
             assert torch.equal(total, b * (n - 1))
             assert torch.equal(grouped[0], a * (n - 1)) and torch.equal(grouped[1], b * (n - 1))
-        assert last == (n - 1 if first != n - 1 else n - 2)
+        assert last == last_to_join
 
 
 def test_collectives_other_than_allreduce_raise_while_a_rank_has_joined():
