@@ -62,14 +62,19 @@ def _sampled_topk(flat: torch.Tensor, k: int, gen: torch.Generator, magnitude: b
     m = min(n, max(1 << 16, 200 * n // k))
     expect = m * k / n
     j = min(m, int(expect + 6 * expect**0.5 + 8))
-    sample = flat[torch.randint(0, n, (m,), generator=gen)]
-    threshold = float(torch.kthvalue(sample.abs() if magnitude else sample, m - j + 1).values)
-    candidates = torch.from_numpy(_at_least(flat.numpy(), threshold, magnitude))
-    if candidates.numel() < k:
+    a = flat.numpy()
+    # numpy from here: its gathers of a few 100K elements take 0.5 ms where torch's
+    # advanced indexing took 2.5 ms, and its partition 0.4 ms where torch.topk took 1.9
+    sample = a[torch.randint(0, n, (m,), generator=gen).numpy()]
+    key = np.abs(sample) if magnitude else sample
+    threshold = float(np.partition(key, m - j)[m - j])
+    candidates = _at_least(a, threshold, magnitude)
+    if candidates.size < k:
         return None
-    picked = flat[candidates]
-    _, chosen = torch.topk(picked.abs() if magnitude else picked, k, sorted=False)
-    return picked[chosen], candidates[chosen]
+    picked = a[candidates]
+    key = np.abs(picked) if magnitude else picked
+    chosen = np.argpartition(key, key.size - k)[key.size - k:]
+    return torch.from_numpy(picked[chosen]), torch.from_numpy(candidates[chosen])
 
 
 def _at_least(a: np.ndarray, threshold: float, magnitude: bool, chunk: int = 1 << 18) -> np.ndarray:

@@ -89,8 +89,9 @@ class _Distributed:
     def synchronize(self) -> None:
         """Wait for every gradient's allreduce and write the results into ``.grad``.
 
-        Without compression, ``.grad`` becomes a view of the bucket's reduced tensor
-        (no copy) where the dtype and device allow it.
+        Without compression, or with plait's own compressors and memories, ``.grad``
+        becomes a view of the bucket's reduced tensor (no copy) where the dtype and device
+        allow it.
         """
         params = self._plait_params
 
@@ -102,7 +103,7 @@ class _Distributed:
 
         self._plait_synchronized = True
         scale = self._plait_predivide
-        plain = self._plait_reducer.plain
+        fresh = self._plait_reducer.fresh
         with torch.no_grad():
             for specs, fused in self._plait_reducer.finish_buckets(missing):
                 if isinstance(fused, list):  # one grouped allreduce: the gradients themselves
@@ -116,9 +117,10 @@ class _Distributed:
                 else:
                     parts = list(torch.split(fused.reshape(-1), [s.numel for s in specs]))
                 ps = [params[spec.name] for spec in specs]
-                # a plain allreduce's result is a new tensor (never the fused buffer), and a
-                # pooled one is not reused while .grad views it; one bucket, one dtype
-                if plain and fused.dtype == ps[0].dtype and fused.device == ps[0].device:
+                # a plain allreduce's result, or plait's decompression, is a new tensor (never
+                # the fused buffer), and a pooled one is not reused while .grad views it; one
+                # bucket, one dtype
+                if fresh and fused.dtype == ps[0].dtype and fused.device == ps[0].device:
                     for p, part, spec in zip(ps, parts, specs):
                         p.grad = part.view(spec.shape)
                     continue
