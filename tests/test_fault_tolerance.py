@@ -335,16 +335,25 @@ HOROVODRUN = pytest.mark.skipif(not (Path(sys.executable).parent / "horovodrun")
 
 @HOROVODRUN
 @pytest.mark.timeout(400)
-def test_horovod_elastic_torch_adds_and_removes_a_host(
+def test_horovod_elastic_torch_adds_a_host_and_survives_a_killed_worker(
         tmp_path: Path, digits: str, emulated_hosts: Factory) -> None:  # noqa: F811
     """``import plait.torch as hvd`` elastic on 3 emulated hosts: the discovery script
-    lists 2 hosts, then the third, then 2 again (2 -> 3 -> 2 workers)."""
+    lists 2 hosts, then the third (2 -> 3 workers); at step 8 the worker on the second host
+    is SIGKILLed while the others are in that step's gradient allreduces, and the two
+    others restore the last commit and finish (3 -> 2; Horovod leaves the dead worker's
+    host out). Removing a host from discovery: the Keras test below.
+
+    A survivor may wait out Gloo's timeout in a send to the other survivor, which already
+    left that exchange (Gloo's `unbound_buffer` "Timed out waiting ... for send operation");
+    real Horovod with the same script did too (1 run of 4; plait 3 of 4, each 30 s longer).
+    ``HOROVOD_GLOO_TIMEOUT_SECONDS=10`` keeps the test short."""
     hosts = emulated_hosts(3, slots=1)
     names = hosts.hosts
     two = f"{names[0]}:1\n{names[1]}:1\n"
     out = horovod_elastic(tmp_path, "job_ckpt_hvd_elastic.py", two,
-                          {"FT_DATA": digits, "HVD_ADD": "3", "HVD_REMOVE": "8", "HVD_STEPS": "14",
-                           "HVD_GROWN": f"{two}{names[2]}:1\n"},
+                          {"FT_DATA": digits, "HVD_ADD": "3", "HVD_REMOVE": "99", "HVD_STEPS": "14",
+                           "HVD_GROWN": f"{two}{names[2]}:1\n", "HVD_KILL": f"8:{names[1]}",
+                           "HOROVOD_GLOO_TIMEOUT_SECONDS": "10"},
                           timeout=360, hosts=hosts)
     done = re.search(r"HVD done sizes=\[(.*?)\] replicas_equal=(\w+) residual_steps=\[(.*?)\]", out)
     assert done is not None, out[-3000:]

@@ -5,13 +5,16 @@ Horovod backend, ``hvd.elastic.TorchState`` carrying a plait state object, and
 ``hvd.elastic.run``. Run by ``horovodrun --host-discovery-script`` (not a pytest file). Rank 0
 rewrites the discovery file (HVD_HOSTS, lines ``host:slots``) to HVD_GROWN (default
 ``localhost:3``: one more slot or host) at step HVD_ADD and back to its first content
-at step HVD_REMOVE; training continues across both changes and finishes. On the host named
-HVD_ODD_HOST plait reports another version (that worker must leave the job).
+at step HVD_REMOVE; training continues across both changes and finishes. With HVD_KILL
+(``STEP:HOST``) the worker on HOST SIGKILLs itself when it starts step STEP, while the others
+are in that step's collectives. On the host named HVD_ODD_HOST plait reports another version
+(that worker must leave the job).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from typing import Any
@@ -36,6 +39,7 @@ def main() -> None:
     hosts_file = os.environ["HVD_HOSTS"]
     with open(hosts_file) as f:
         hosts = {add_at: os.environ.get("HVD_GROWN", "localhost:3\n"), remove_at: f.read()}
+    kill_at, _, kill_host = os.environ.get("HVD_KILL", "0:").partition(":")
     with np.load(os.environ["FT_DATA"]) as data:
         x_all = torch.tensor(data["x"] / 16.0, dtype=torch.float32)
         y_all = torch.tensor(data["y"], dtype=torch.int64)
@@ -50,6 +54,8 @@ def main() -> None:
     @hvd.elastic.run
     def train(state: Any) -> None:
         while state.step < steps:
+            if state.step == int(kill_at) and socket.gethostname() == kill_host:
+                os.kill(os.getpid(), signal.SIGKILL)
             rank, size = hvd.rank(), hvd.size()
             if int(memory.residuals["seen"].item()) != state.step:  # also on a worker that just joined
                 raise RuntimeError(f"rank {rank}: plait state not in sync: seen "
