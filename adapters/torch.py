@@ -49,9 +49,9 @@ def _sampled_topk(flat: torch.Tensor, k: int, gen: torch.Generator, magnitude: b
 
     A random sample of ``m`` elements gives a threshold that about 1.25 k elements
     exceed (its ``j``-th largest, ``j`` a few standard deviations above the ``m k / n``
-    expected); if at least ``k`` do, every one of the ``k`` largest is among them, and
-    ``torch.topk`` of those few is the answer (``torch.topk`` of 10.8M float32 takes
-    175 ms here; this about 12 ms). ``None`` when the sample misled (too few passed,
+    expected); if at least ``k`` do, every one of the ``k`` largest is among them, and a
+    partition of those few gives the answer (``torch.topk`` of 10.8M float32 takes
+    175 ms here; this about 13 ms). ``None`` when the sample misled (too few passed,
     or not a float32/float64 CPU tensor): the caller falls back to ``torch.topk``.
     With ``magnitude`` it ranks by ``|x|``, taken chunk by chunk (a full-size ``|x|``
     of 10.8M float32 costs ~20 ms of page faults here).
