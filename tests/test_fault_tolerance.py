@@ -306,15 +306,16 @@ Factory = Callable[..., EmulatedHosts]
 
 
 def horovod_elastic(tmp_path: Path, job: str, hosts_text: str, env: dict[str, str],
-                    timeout: float, hosts: EmulatedHosts | None = None) -> str:
-    """Run ``job`` under ``horovodrun`` in elastic mode (2 to 3 workers) with a discovery
-    script printing HVD_HOSTS, which the job rewrites; return stdout and stderr. Asserts exit 0."""
+                    timeout: float, hosts: EmulatedHosts | None = None, min_np: int = 2) -> str:
+    """Run ``job`` under ``horovodrun`` in elastic mode (2 workers at the start, ``min_np``
+    to 3) with a discovery script printing HVD_HOSTS, which the job rewrites; return stdout
+    and stderr. Asserts exit 0."""
     hosts_file = tmp_path / "hosts"
     hosts_file.write_text(hosts_text)
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
     discover.chmod(0o755)
-    argv = [str(Path(sys.executable).parent / "horovodrun"), "-np", "2", "--min-np", "2",
+    argv = [str(Path(sys.executable).parent / "horovodrun"), "-np", "2", "--min-np", str(min_np),
             "--max-np", "3", "--host-discovery-script", str(discover), "--gloo",
             "--network-interface", "lo" if hosts is None else "eth0", "--start-timeout", "120",
             sys.executable, str(ROOT / "tests" / "parallel" / job)]

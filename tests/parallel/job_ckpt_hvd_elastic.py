@@ -7,8 +7,11 @@ rewrites the discovery file (HVD_HOSTS, lines ``host:slots``) to HVD_GROWN (defa
 ``localhost:3``: one more slot or host) at step HVD_ADD and back to its first content
 at step HVD_REMOVE; training continues across both changes and finishes. With HVD_KILL
 (``STEP:HOST``) the worker on HOST SIGKILLs itself when it starts step STEP, while the others
-are in that step's collectives. On the host named HVD_ODD_HOST plait reports another version
-(that worker must leave the job).
+are in that step's collectives (``STEP:HOST:commit``: when it ends step STEP, while the others
+commit it); with HVD_KILL_RESET (``HOST``) the worker on HOST SIGKILLs
+itself in its first reset callback, after the new rendezvous and before the state's sync. On
+the host named HVD_ODD_HOST plait reports another version (that worker must leave the job).
+A worker's host is Horovod's name for it (``HOROVOD_HOSTNAME``), else its host name.
 """
 
 from __future__ import annotations
@@ -28,7 +31,8 @@ def main() -> None:
     from plait.compression import Residual
 
     torch.set_num_threads(1)
-    if socket.gethostname() == os.environ.get("HVD_ODD_HOST"):
+    host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+    if host == os.environ.get("HVD_ODD_HOST"):
         import plait
 
         plait.__version__ = "0.0.0+other"  # as if this host had another plait installed
@@ -39,7 +43,7 @@ def main() -> None:
     hosts_file = os.environ["HVD_HOSTS"]
     with open(hosts_file) as f:
         hosts = {add_at: os.environ.get("HVD_GROWN", "localhost:3\n"), remove_at: f.read()}
-    kill_at, _, kill_host = os.environ.get("HVD_KILL", "0:").partition(":")
+    kill_at, kill_host, kill_where = (os.environ.get("HVD_KILL", "0:") + ":start").split(":")[:3]
     with np.load(os.environ["FT_DATA"]) as data:
         x_all = torch.tensor(data["x"] / 16.0, dtype=torch.float32)
         y_all = torch.tensor(data["y"], dtype=torch.int64)
@@ -50,11 +54,13 @@ def main() -> None:
     memory = Residual()
     memory.residuals["seen"] = torch.zeros(1)
     state = hvd.elastic.TorchState(model, opt, state={"ef": memory}, step=0, sizes=[])
+    if host == os.environ.get("HVD_KILL_RESET"):
+        state.register_reset_callbacks([lambda: os.kill(os.getpid(), signal.SIGKILL)])
 
     @hvd.elastic.run
     def train(state: Any) -> None:
         while state.step < steps:
-            if state.step == int(kill_at) and socket.gethostname() == kill_host:
+            if state.step == int(kill_at) and host == kill_host and kill_where == "start":
                 os.kill(os.getpid(), signal.SIGKILL)
             rank, size = hvd.rank(), hvd.size()
             if int(memory.residuals["seen"].item()) != state.step:  # also on a worker that just joined
@@ -78,7 +84,9 @@ def main() -> None:
             if size == 3 and rank == 2 and not os.environ.get("HVD_JOINED_REPORTED"):
                 os.environ["HVD_JOINED_REPORTED"] = "1"
                 print(f"HVD joined rank=2 step={state.step} seen={memory.residuals['seen'].item()} "
-                      f"host={socket.gethostname()}", flush=True)
+                      f"host={host}", flush=True)
+            if state.step == int(kill_at) and host == kill_host and kill_where == "commit":
+                os.kill(os.getpid(), signal.SIGKILL)
             state.commit()
             time.sleep(float(os.environ.get("HVD_SLEEP", "0.5")))
 

@@ -5,12 +5,15 @@ the Horovod backend compiled into the model, ``hvd.elastic.KerasState`` (model,
 optimizer slots, attributes and a plait state object) and Horovod's elastic callbacks.
 Run by ``horovodrun --host-discovery-script`` (not a pytest file). Rank 0 rewrites the
 discovery file (HVD_HOSTS, lines ``host:slots``) to HVD_GROWN (one more slot or host)
-after HVD_ADD batches and back after HVD_REMOVE; training goes on.
+after HVD_ADD batches and back after HVD_REMOVE; training goes on. With HVD_KILL
+(``BATCHES:HOST``) the worker on HOST (Horovod's name for it) SIGKILLs itself when it starts
+the batch after BATCHES batches, while the others are in that batch's collectives.
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import time
 from typing import Any
 
@@ -45,8 +48,14 @@ def main() -> None:
     memory.residuals["seen"] = tf.zeros([1])
     state = hvd.elastic.KerasState(model, state={"ef": memory}, epoch=0, batches=0, sizes=[])
 
+    kill_at, _, kill_host = os.environ.get("HVD_KILL", "-1:").partition(":")
+
     class Count(keras.callbacks.Callback):
         """Counts batches in the state and the plait object; rank 0 changes the hosts."""
+
+        def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+            if state.batches == int(kill_at) and os.environ.get("HOROVOD_HOSTNAME") == kill_host:
+                os.kill(os.getpid(), signal.SIGKILL)
 
         def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
             memory.residuals["seen"] = memory.residuals["seen"] + 1
