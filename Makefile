@@ -8,7 +8,7 @@ export OMPI_MCA_mpi_yield_when_idle := 1
 export PYTHONUNBUFFERED := 1
 export TF_CPP_MIN_LOG_LEVEL := 2
 
-.PHONY: setup test lint typecheck unit demo bench info clean
+.PHONY: setup test lint typecheck unit demo bench stress info clean
 
 setup:
 	@bash tools/setup.sh
@@ -27,6 +27,10 @@ demo: setup
 
 bench: setup
 	$(PY) benchmarks/run_all.py
+
+# repeated elastic membership changes (tests/stress_elastic.py; PLAIT_STRESS_REPEATS, default 20)
+stress: setup
+	$(PY) -m pytest tests/stress_elastic.py -q
 
 info: setup
 	$(PY) -m plait.cli info

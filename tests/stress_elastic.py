@@ -1,0 +1,130 @@
+"""Repeated Horovod-backend elastic membership changes: ``make stress`` (not part of ``make test``).
+
+Each case is one elastic ``horovodrun`` job (``tests/parallel/job_ckpt_hvd_elastic*.py``)
+on 3 emulated hosts, 2 workers at the start (``--min-np 1 --max-np 3``); the discovery
+script lists 2 hosts, and the case changes the membership once or twice within a few
+seconds. Every case runs ``PLAIT_STRESS_REPEATS`` times (default 20), the repeats
+seeded apart by the pause between steps (0.1-0.6 s), which moves the changes against
+Horovod's discovery and resets. Each run must end with exit 0, equal replicas and every committed step counted
+once on every worker (the plait state object carried by the elastic state agrees).
+
+Cases (``h2``: the second host, ``h3``: the third, listed from step/batch 3 or 5):
+
+* ``torch-kill``: the worker on h2 is SIGKILLed at step 5 (2 -> 1 worker, then h3 is never listed);
+* ``torch-add-kill``: h3 listed after step 3, the worker on h2 killed at step 4;
+* ``torch-add-kill-same-step``: both after step 3;
+* ``torch-kill-in-reset``: h3 listed after step 3, and the worker on h2 dies inside the
+  reset that follows (after the new rendezvous, before the state's sync);
+* ``torch-kill-at-commit``: h3 listed after step 3, the worker on h2 killed after step 5,
+  while the others commit it;
+* ``keras-kill``, ``keras-add-kill``: ``model.fit`` with Horovod's elastic callbacks, the
+  worker on h2 killed after 7 batches; in the second, h3 listed after 5 batches;
+* on the MPI backend (``plait run --elastic``): the worker on h2 killed and h3 listed in
+  its place at the same instant.
+
+Run: ``make stress`` or ``python -m pytest tests/stress_elastic.py -q [-k CASE]`` (as root:
+emulated hosts are network namespaces).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from jobs import ROOT
+from test_fault_tolerance import HOROVODRUN, digits, horovod_elastic  # noqa: F401
+
+from plait.testing.pytest_fixtures import emulated_hosts  # noqa: F401  (fixture)
+
+REPEATS = int(os.environ.get("PLAIT_STRESS_REPEATS", "20"))
+STEPS = 14  # torch steps
+KERAS_EPOCHS = 5  # of 4 batches
+
+#: case -> (job, HVD_ADD, HVD_KILL as (step, host index, where) or None, kill in the reset)
+CASES: dict[str, tuple[str, int, tuple[int, int, str] | None, bool]] = {
+    "torch-kill": ("torch", 99, (5, 1, "start"), False),
+    "torch-add-kill": ("torch", 3, (4, 1, "start"), False),
+    "torch-add-kill-same-step": ("torch", 3, (3, 1, "start"), False),
+    "torch-kill-in-reset": ("torch", 3, None, True),
+    "torch-kill-at-commit": ("torch", 3, (5, 1, "commit"), False),
+    "keras-kill": ("keras", 99, (7, 1, "start"), False),
+    "keras-add-kill": ("keras", 5, (6, 1, "start"), False),
+}
+
+
+@HOROVODRUN
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("seed", range(REPEATS))
+@pytest.mark.parametrize("case", list(CASES))
+def test_elastic_job_survives_the_change(tmp_path: Path, digits: str, emulated_hosts, case: str,  # noqa: F811
+                                         seed: int) -> None:
+    job, add, kill, in_reset = CASES[case]
+    hosts = emulated_hosts(3, slots=1)
+    names = hosts.hosts
+    two = f"{names[0]}:1\n{names[1]}:1\n"
+    env = {"FT_DATA": digits, "HVD_ADD": str(add), "HVD_REMOVE": "99",
+           "HVD_GROWN": f"{two}{names[2]}:1\n", "HOROVOD_GLOO_TIMEOUT_SECONDS": "10",
+           "HVD_SLEEP": f"{0.1 + 0.1 * (seed % 6):.1f}", "HVD_STEPS": str(STEPS),
+           "HVD_EPOCHS": str(KERAS_EPOCHS)}
+    if kill is not None:
+        env["HVD_KILL"] = f"{kill[0]}:{names[kill[1]]}" + (":commit" if kill[2] == "commit" else "")
+    if in_reset:
+        env["HVD_KILL_RESET"] = names[1]
+    script = "job_ckpt_hvd_elastic.py" if job == "torch" else "job_ckpt_hvd_elastic_keras.py"
+    out = horovod_elastic(tmp_path, script, two, env, timeout=360, hosts=hosts, min_np=1)
+    if job == "torch":
+        done = re.search(r"HVD done sizes=\[.*?\] replicas_equal=(\w+) residual_steps=\[(.*?)\]", out)
+        assert done is not None, out[-3000:]
+        assert done.group(1) == "True", out[-3000:]
+        counted = [float(s) for s in done.group(2).split(",")]
+        assert counted == [float(STEPS)] * len(counted), out[-3000:]
+        return
+    done = re.search(r"HVD done sizes=\[.*?\] replicas_equal=(\w+) accuracy=\S+ batches=(\d+) "
+                     r"residual_batches=\[(.*?)\]", out)
+    assert done is not None, out[-3000:]
+    assert done.group(1) == "True", out[-3000:]
+    batches = int(done.group(2))  # a reset restarts the epoch from its start: >= all batches
+    counted = [float(s) for s in done.group(3).split(",")]
+    assert batches >= 4 * KERAS_EPOCHS and counted == [float(batches)] * len(counted), out[-3000:]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", range(REPEATS))
+def test_mpi_elastic_job_survives_a_kill_and_a_new_host_at_once(
+        tmp_path: Path, emulated_hosts, seed: int) -> None:  # noqa: F811
+    """``plait run --elastic`` (MPI backend), 2 hosts: after 2-5 commits (by seed) the second
+    host's worker is SIGKILLed and, in the same instant, discovery lists the third host
+    instead of the second; the job ends on 2 ranks with a one-process run's weights."""
+    from test_elastic_mpi import JOB, STEPS, _commits, _until, drive, elastic_job
+
+    hosts = emulated_hosts(3, slots=1)
+    h0, h1, h2 = hosts.hosts
+    argv, env = elastic_job(tmp_path, "job_elastic_mpi.py", f"{h0}:1\n{h1}:1\n",
+                            {"EL_STEPS": str(STEPS), "EL_OUT": str(tmp_path / "w.npy"),
+                             "PLAIT_TIMEOUT": "20"}, *hosts.mpirun_args())
+    env["PATH"] = f"{hosts.bin_dir}:{env['PATH']}"
+
+    def steer(proc: subprocess.Popen[Any]) -> None:
+        _until(lambda: _commits(tmp_path / "commits") >= 2 + seed % 4, proc, "the first commits")
+        (tmp_path / "hosts").write_text(f"{h0}:1\n{h2}:1\n")
+        os.kill(int((tmp_path / "pids" / "pid-1-0").read_text()), signal.SIGKILL)
+
+    status, stdout, stderr = drive(tmp_path, lambda **kw: hosts.popen(h0, argv, env=env, cwd=str(ROOT),
+                                                                      **kw), steer)
+    context = f"{stderr[-4000:]}\n{stdout[-3000:]}"
+    assert status == 0, context
+    done = re.findall(r"EL done rank=\d size=(\d) batch=(\d+) replicas_equal=(True|False)", stdout)
+    assert done and all(b == str(STEPS) and same == "True" for _, b, same in done), context
+    sys.path.insert(0, str(JOB.parent))
+    try:
+        from job_elastic_mpi import serial
+    finally:
+        sys.path.pop(0)
+    np.testing.assert_allclose(np.load(tmp_path / "w.npy"), serial(STEPS), rtol=1e-5, atol=1e-6)
