@@ -15,7 +15,9 @@ import concurrent.futures
 import contextlib
 import functools
 import os
+import re
 import time
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -123,6 +125,9 @@ class _World:
         # Horovod starts without them (unless the user's HOROVOD_DYNAMIC_PROCESS_SETS=1 asks
         # for them); the first split that needs a process set restarts it with them.
         self.dynamic = os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") == "1"
+        # a worker of horovodrun's elastic mode: graph ops are named per graph (_graph_name)
+        self.elastic = os.environ.get("HOROVOD_ELASTIC") == "1"
+        self.graph_ops: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
         self.hvd.init()
         from plait.adapters import adapter
 
@@ -319,6 +324,27 @@ class HorovodCommunicator(CommunicatorBase):
         self._seq += 1
         return f"plait.{self._cid}.{self._seq}.{kind}" + ("" if name is None else f".{name}")
 
+    def _graph_name(self, name: str) -> str:
+        """The name of an op built into a TensorFlow graph in a Horovod elastic job, in place
+        of ``name`` (made by :meth:`_name`): numbered within the graph, not in this
+        communicator's sequence, which it leaves as it was.
+
+        A worker that joined traces the user's ``tf.function`` alone, while the others run
+        the graph they traced before; its ops must get the names theirs got, and the ops
+        it runs eagerly afterwards too. So graph ops are numbered per graph (traces of one
+        function number alike on every worker) and, as the other workers do not trace
+        with it, are not checked when built: a mismatch meets in Horovod's coordinator
+        (its error), or times out in the graph's watchdog.
+        """
+        import tensorflow as tf
+
+        self._seq -= 1
+        graph = tf.compat.v1.get_default_graph()
+        count = self._w.graph_ops.get(graph, 0) + 1
+        self._w.graph_ops[graph] = count
+        base = re.sub(r"[^A-Za-z0-9_]", "_", str(getattr(graph, "name", "graph")))
+        return f"plait.{self._cid}.{base}.{count}.{name.split('.', 3)[3]}"
+
     def _check_name(self) -> str:
         """The name of the next agreement check: numbered apart from the data ops, so
         the checks of ranks that make different calls still meet (and report it)."""
@@ -394,10 +420,14 @@ class HorovodCommunicator(CommunicatorBase):
             The handle.
         """
         hvd = self._hvd
-        what = f"{call.describe()} (Horovod op {kwargs.get('name')!r})"
         if self.framework != "torch" and any(self._w.ops.is_symbolic(a) for a in args[:1]):
-            self._verify(call)  # once, when the graph is built
+            if self._w.elastic:
+                kwargs["name"] = self._graph_name(str(kwargs["name"]))
+            else:
+                self._verify(call)  # once, when the graph is built
+            what = f"{call.describe()} (Horovod op {kwargs.get('name')!r})"
             return Done(finish(self._graph_op(fn, what, *args, **kwargs)))
+        what = f"{call.describe()} (Horovod op {kwargs.get('name')!r})"
         if self.framework == "torch":
             check = self._check_torch(call)
             started = self._enqueue(f"{fn}_async_" if inplace else f"{fn}_async", what, *args,

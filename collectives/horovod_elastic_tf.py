@@ -13,7 +13,8 @@ This module imports horovod (only ``collectives/`` may).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import horovod.tensorflow as hvd
@@ -64,6 +65,18 @@ def _allgather_object(obj: Any) -> Any:
     if world is not None:
         return world.allgather_object(obj)
     return hvd.allgather_object(obj, name="plait.elastic.versions")
+
+
+@contextlib.contextmanager
+def _horovod_errors() -> Iterator[None]:
+    """Turn the TensorFlow error of a failed Horovod op (a peer died) into Horovod's
+    ``HorovodInternalError``, which Horovod's elastic loop answers with a restore and a reset."""
+    try:
+        yield
+    except tf.errors.UnknownError as exc:
+        if "Horovod" in str(exc.message):
+            raise HorovodInternalError(exc) from exc
+        raise
 
 
 def _rank() -> int:
@@ -121,13 +134,19 @@ class TensorFlowState(ObjectState):  # type: ignore[misc]
 
     def sync(self) -> None:
         """Make every worker (new ones too) hold rank 0's variables, attributes and objects,
-        once every worker was found to run the job's versions (see :func:`check_versions`)."""
-        check_versions(_allgather_object, _rank())
-        values = [np.array(v.numpy()) for v in self._variables()]
-        self._load_variables(_broadcast_object(values, "plait.elastic.variables"))
-        self._plait.sync(_broadcast_object)
-        self._save_variables()
-        super().sync()
+        once every worker was found to run the job's versions (see :func:`check_versions`).
+
+        Raises:
+            HorovodInternalError: when a worker failed meanwhile (Horovod's elastic loop
+                then restores the last commit and resets).
+        """
+        with _horovod_errors():
+            check_versions(_allgather_object, _rank())
+            values = [np.array(v.numpy()) for v in self._variables()]
+            self._load_variables(_broadcast_object(values, "plait.elastic.variables"))
+            self._plait.sync(_broadcast_object)
+            self._save_variables()
+            super().sync()
 
 
 class KerasState(TensorFlowState):
@@ -185,11 +204,7 @@ def run(func: Callable[..., Any]) -> Callable[..., Any]:
     """
 
     def attempt(state: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
+        with _horovod_errors():
             return func(state, *args, **kwargs)
-        except tf.errors.UnknownError as exc:
-            if "Horovod" in str(exc.message):
-                raise HorovodInternalError(exc) from exc
-            raise
 
     return elastic_run(attempt, hvd, "tensorflow")

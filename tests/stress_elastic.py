@@ -55,6 +55,8 @@ CASES: dict[str, tuple[str, int, tuple[int, int, str] | None, bool]] = {
     "torch-add-kill-same-step": ("torch", 3, (3, 1, "start"), False),
     "torch-kill-in-reset": ("torch", 3, None, True),
     "torch-kill-at-commit": ("torch", 3, (5, 1, "commit"), False),
+    "tf-loop-add-kill": ("tf", 3, (4, 1, "start"), False),
+    "tf-loop-kill-in-reset": ("tf", 3, None, True),
     "keras-kill": ("keras", 99, (7, 1, "start"), False),
     "keras-add-kill": ("keras", 5, (6, 1, "start"), False),
 }
@@ -78,9 +80,10 @@ def test_elastic_job_survives_the_change(tmp_path: Path, digits: str, emulated_h
         env["HVD_KILL"] = f"{kill[0]}:{names[kill[1]]}" + (":commit" if kill[2] == "commit" else "")
     if in_reset:
         env["HVD_KILL_RESET"] = names[1]
-    script = "job_ckpt_hvd_elastic.py" if job == "torch" else "job_ckpt_hvd_elastic_keras.py"
+    script = {"torch": "job_ckpt_hvd_elastic.py", "tf": "job_ckpt_hvd_elastic_tf.py",
+              "keras": "job_ckpt_hvd_elastic_keras.py"}[job]
     out = horovod_elastic(tmp_path, script, two, env, timeout=360, hosts=hosts, min_np=1)
-    if job == "torch":
+    if job != "keras":
         done = re.search(r"HVD done sizes=\[.*?\] replicas_equal=(\w+) residual_steps=\[(.*?)\]", out)
         assert done is not None, out[-3000:]
         assert done.group(1) == "True", out[-3000:]

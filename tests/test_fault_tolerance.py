@@ -370,6 +370,32 @@ def test_horovod_elastic_torch_adds_a_host_and_survives_a_killed_worker(
 
 @HOROVODRUN
 @pytest.mark.timeout(400)
+def test_horovod_elastic_tf_loop_traced_before_a_host_joins_survives_a_killed_worker(
+        tmp_path: Path, digits: str, emulated_hosts: Factory) -> None:  # noqa: F811
+    """``import plait.tensorflow as hvd``, Horovod's ``tensorflow2_mnist_elastic.py`` pattern:
+    a ``tf.function`` step with ``DistributedGradientTape`` traced on the first two workers;
+    the third host's worker joins after step 3 and traces it alone (its graph ops must
+    meet the others' without a check at trace time), and at step 8 the second host's worker
+    is SIGKILLed (2 -> 3 -> 2 workers)."""
+    hosts = emulated_hosts(3, slots=1)
+    names = hosts.hosts
+    two = f"{names[0]}:1\n{names[1]}:1\n"
+    out = horovod_elastic(tmp_path, "job_ckpt_hvd_elastic_tf.py", two,
+                          {"FT_DATA": digits, "HVD_ADD": "3", "HVD_REMOVE": "99", "HVD_STEPS": "12",
+                           "HVD_GROWN": f"{two}{names[2]}:1\n", "HVD_KILL": f"8:{names[1]}",
+                           "HVD_SLEEP": "0.3", "HOROVOD_GLOO_TIMEOUT_SECONDS": "10"},
+                          timeout=360, hosts=hosts)
+    done = re.search(r"HVD done sizes=\[(.*?)\] replicas_equal=(\w+) residual_steps=\[(.*?)\]", out)
+    assert done is not None, out[-3000:]
+    assert [int(s) for s in done.group(1).split(",")] == [2, 3, 2], out[-3000:]
+    assert done.group(2) == "True", out[-3000:]
+    assert [float(s) for s in done.group(3).split(",")] == [12.0, 12.0], out[-3000:]
+    joined = re.search(r"HVD joined rank=2 step=(\d+) seen=([\d.]+) host=(\S+)", out)
+    assert joined is not None and int(joined.group(1)) == float(joined.group(2)) > 1, out[-3000:]
+
+
+@HOROVODRUN
+@pytest.mark.timeout(400)
 def test_horovod_elastic_worker_with_other_versions_leaves_and_the_others_go_on(
         tmp_path: Path, digits: str, emulated_hosts: Factory) -> None:  # noqa: F811
     """A third host joins whose plait reports another version: its worker leaves with an

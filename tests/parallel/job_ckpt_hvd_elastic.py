@@ -23,6 +23,39 @@ import time
 from typing import Any
 
 
+class Plan:
+    """The membership changes that the environment asks for (shared with the TensorFlow job)."""
+
+    def __init__(self) -> None:
+        self.host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
+        self.hosts_file = os.environ["HVD_HOSTS"]
+        add_at, remove_at = int(os.environ["HVD_ADD"]), int(os.environ["HVD_REMOVE"])
+        with open(self.hosts_file) as f:
+            self.hosts = {add_at: os.environ.get("HVD_GROWN", "localhost:3\n"), remove_at: f.read()}
+        at, self.kill_host, self.kill_where = (os.environ.get("HVD_KILL", "0:") + ":start").split(":")[:3]
+        self.kill_at = int(at)
+        self.steps = int(os.environ.get("HVD_STEPS", "14"))
+        self.sleep = float(os.environ.get("HVD_SLEEP", "0.5"))
+        self.kill_in_reset = self.host == os.environ.get("HVD_KILL_RESET")
+
+    def kill(self, step: int, where: str) -> None:
+        """SIGKILL this worker if it is the one to die at ``step`` (``where``: start, commit)."""
+        if step == self.kill_at and self.host == self.kill_host and self.kill_where == where:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def rewrite_hosts(self, step: int) -> None:
+        """On rank 0: the discovery file's content for after ``step``, if it changes then."""
+        if step in self.hosts:
+            with open(self.hosts_file + ".tmp", "w") as f:
+                f.write(self.hosts[step])
+            os.replace(self.hosts_file + ".tmp", self.hosts_file)
+
+
+def die() -> None:
+    """A reset callback that SIGKILLs this worker."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def main() -> None:
     import numpy as np
     import torch
@@ -31,19 +64,13 @@ def main() -> None:
     from plait.compression import Residual
 
     torch.set_num_threads(1)
-    host = os.environ.get("HOROVOD_HOSTNAME") or socket.gethostname()
-    if host == os.environ.get("HVD_ODD_HOST"):
+    plan = Plan()
+    if plan.host == os.environ.get("HVD_ODD_HOST"):
         import plait
 
         plait.__version__ = "0.0.0+other"  # as if this host had another plait installed
     hvd.init()  # plait's world on the Horovod backend (started by horovodrun)
     assert hvd.backend() == "horovod"
-    steps = int(os.environ.get("HVD_STEPS", "14"))
-    add_at, remove_at = int(os.environ["HVD_ADD"]), int(os.environ["HVD_REMOVE"])
-    hosts_file = os.environ["HVD_HOSTS"]
-    with open(hosts_file) as f:
-        hosts = {add_at: os.environ.get("HVD_GROWN", "localhost:3\n"), remove_at: f.read()}
-    kill_at, kill_host, kill_where = (os.environ.get("HVD_KILL", "0:") + ":start").split(":")[:3]
     with np.load(os.environ["FT_DATA"]) as data:
         x_all = torch.tensor(data["x"] / 16.0, dtype=torch.float32)
         y_all = torch.tensor(data["y"], dtype=torch.int64)
@@ -54,14 +81,13 @@ def main() -> None:
     memory = Residual()
     memory.residuals["seen"] = torch.zeros(1)
     state = hvd.elastic.TorchState(model, opt, state={"ef": memory}, step=0, sizes=[])
-    if host == os.environ.get("HVD_KILL_RESET"):
-        state.register_reset_callbacks([lambda: os.kill(os.getpid(), signal.SIGKILL)])
+    if plan.kill_in_reset:
+        state.register_reset_callbacks([die])
 
     @hvd.elastic.run
     def train(state: Any) -> None:
-        while state.step < steps:
-            if state.step == int(kill_at) and host == kill_host and kill_where == "start":
-                os.kill(os.getpid(), signal.SIGKILL)
+        while state.step < plan.steps:
+            plan.kill(state.step, "start")
             rank, size = hvd.rank(), hvd.size()
             if int(memory.residuals["seen"].item()) != state.step:  # also on a worker that just joined
                 raise RuntimeError(f"rank {rank}: plait state not in sync: seen "
@@ -77,18 +103,14 @@ def main() -> None:
             state.step += 1
             if rank == 0:
                 print(f"HVD step={state.step} size={size}", flush=True)
-                if state.step in hosts:
-                    with open(hosts_file + ".tmp", "w") as f:
-                        f.write(hosts[state.step])
-                    os.replace(hosts_file + ".tmp", hosts_file)
+                plan.rewrite_hosts(state.step)
             if size == 3 and rank == 2 and not os.environ.get("HVD_JOINED_REPORTED"):
                 os.environ["HVD_JOINED_REPORTED"] = "1"
                 print(f"HVD joined rank=2 step={state.step} seen={memory.residuals['seen'].item()} "
-                      f"host={host}", flush=True)
-            if state.step == int(kill_at) and host == kill_host and kill_where == "commit":
-                os.kill(os.getpid(), signal.SIGKILL)
+                      f"host={plan.host}", flush=True)
+            plan.kill(state.step, "commit")
             state.commit()
-            time.sleep(float(os.environ.get("HVD_SLEEP", "0.5")))
+            time.sleep(plan.sleep)
 
     train(state)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

@@ -1,0 +1,100 @@
+"""Horovod elastic Keras 3 custom training loop through ``plait.tensorflow``
+(tests/test_fault_tolerance.py, tests/stress_elastic.py).
+
+Horovod's ``tensorflow2_mnist_elastic.py`` pattern with ``import plait.tensorflow as hvd``:
+a ``tf.function`` step with ``hvd.DistributedGradientTape`` (traced once, before the first
+membership change, and kept across resets), one local step that builds the optimizer,
+``hvd.elastic.TensorFlowKerasState`` carrying a plait state object, ``hvd.elastic.run`` and
+a reset callback. The membership changes are those of ``job_ckpt_hvd_elastic.py`` (same
+environment: HVD_HOSTS, HVD_ADD, HVD_REMOVE, HVD_GROWN, HVD_KILL, HVD_KILL_RESET,
+HVD_STEPS, HVD_SLEEP); it prints the same ``HVD done`` line.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+from job_ckpt_hvd_elastic import Plan, die
+
+
+def main() -> None:
+    import keras
+    import numpy as np
+    import tensorflow as tf
+
+    import plait.tensorflow as hvd
+    from plait.compression import Residual
+
+    plan = Plan()
+    hvd.init()
+    assert hvd.backend() == "horovod"
+    with np.load(os.environ["FT_DATA"]) as data:
+        x_all = (data["x"] / 16.0).astype(np.float32)
+        y_all = data["y"].astype(np.int64)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(10)])
+    loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+    opt = keras.optimizers.SGD(learning_rate=0.05, momentum=0.9)
+
+    @tf.function
+    def training_step(x: Any, y: Any, allreduce: bool = True) -> Any:
+        with tf.GradientTape() as tape:
+            value = loss(y, model(x, training=True))
+        if allreduce:
+            tape = hvd.DistributedGradientTape(tape)
+        grads = tape.gradient(value, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+        return value
+
+    training_step(x_all[:8], y_all[:8], allreduce=False)  # builds the optimizer's variables
+    memory = Residual()
+    memory.residuals["seen"] = tf.zeros(1)
+    state = hvd.elastic.TensorFlowKerasState(model, opt, state={"ef": memory}, step=0, sizes=[])
+    resets = [0]
+
+    def on_reset() -> None:
+        resets[0] += 1
+
+    state.register_reset_callbacks([die] if plan.kill_in_reset else [on_reset])
+
+    @hvd.elastic.run
+    def train(state: Any) -> None:
+        while state.step < plan.steps:
+            plan.kill(state.step, "start")
+            rank, size = hvd.rank(), hvd.size()
+            if int(memory.residuals["seen"].numpy()[0]) != state.step:
+                raise RuntimeError(f"rank {rank}: plait state not in sync: seen "
+                                   f"{memory.residuals['seen'].numpy()} at step {state.step}")
+            if not state.sizes or state.sizes[-1] != size:
+                state.sizes = [*state.sizes, size]
+            perm = np.random.RandomState(state.step).permutation(len(y_all))[:96]
+            mine = np.array_split(perm, size)[rank]
+            training_step(x_all[mine], y_all[mine])
+            memory.residuals["seen"] = memory.residuals["seen"] + 1
+            state.step += 1
+            if rank == 0:
+                print(f"HVD step={state.step} size={size}", flush=True)
+                plan.rewrite_hosts(state.step)
+            if size == 3 and rank == 2 and not os.environ.get("HVD_JOINED_REPORTED"):
+                os.environ["HVD_JOINED_REPORTED"] = "1"
+                print(f"HVD joined rank=2 step={state.step} "
+                      f"seen={float(memory.residuals['seen'].numpy()[0])} host={plan.host}", flush=True)
+            plan.kill(state.step, "commit")
+            state.commit()
+            time.sleep(plan.sleep)
+
+    train(state)
+    flat = tf.concat([tf.reshape(v, [-1]) for v in model.trainable_variables], 0)
+    gathered = hvd.allgather(tf.reshape(flat, [1, -1])).numpy()
+    same = all(np.array_equal(gathered[0], row) for row in gathered)
+    seen = hvd.allgather(tf.reshape(memory.residuals["seen"], [1, -1])).numpy()
+    if hvd.rank() == 0:
+        print(f"HVD done sizes={state.sizes} replicas_equal={same} "
+              f"residual_steps={seen.reshape(-1).tolist()} resets={resets[0]}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
