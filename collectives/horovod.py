@@ -331,15 +331,20 @@ class HorovodCommunicator(CommunicatorBase):
 
         A worker that joined traces the user's ``tf.function`` alone, while the others run
         the graph they traced before; its ops must get the names theirs got, and the ops
-        it runs eagerly afterwards too. So graph ops are numbered per graph (traces of one
-        function number alike on every worker) and, as the other workers do not trace
-        with it, are not checked when built: a mismatch meets in Horovod's coordinator
-        (its error), or times out in the graph's watchdog.
+        it runs eagerly afterwards too. So graph ops are numbered per traced function, in
+        the order the trace builds them (nested graphs, such as a loop's body, which
+        TensorFlow names with a process-wide counter, count in the outermost function's
+        graph), and, as the other workers do not trace with it, are not checked when
+        built: a mismatch meets in Horovod's coordinator (its error), or times out in the
+        graph's watchdog.
         """
         import tensorflow as tf
 
         self._seq -= 1
         graph = tf.compat.v1.get_default_graph()
+        outer = getattr(graph, "outer_graph", None)
+        while outer is not None and hasattr(outer, "outer_graph"):  # a FuncGraph inside one
+            graph, outer = outer, outer.outer_graph
         count = self._w.graph_ops.get(graph, 0) + 1
         self._w.graph_ops[graph] = count
         base = re.sub(r"[^A-Za-z0-9_]", "_", str(getattr(graph, "name", "graph")))

@@ -18,6 +18,11 @@ Cases (``h2``: the second host, ``h3``: the third, listed from step/batch 3 or 5
   reset that follows (after the new rendezvous, before the state's sync);
 * ``torch-kill-at-commit``: h3 listed after step 3, the worker on h2 killed after step 5,
   while the others commit it;
+* ``torch-add-remove``: h3 listed after step 3 and taken out of discovery after step 7
+  (2 -> 3 -> 2, no worker dies);
+* ``tf-loop-*``: the same cases (kill, add-kill, kill-in-reset, kill-at-commit,
+  add-remove) for a Keras custom loop: a ``tf.function`` step with
+  ``DistributedGradientTape``, traced before any change, and ``TensorFlowKerasState``;
 * ``keras-kill``, ``keras-add-kill``: ``model.fit`` with Horovod's elastic callbacks, the
   worker on h2 killed after 7 batches; in the second, h3 listed after 5 batches;
 * on the MPI backend (``plait run --elastic``): the worker on h2 killed and h3 listed in
@@ -47,16 +52,22 @@ from plait.testing.pytest_fixtures import emulated_hosts  # noqa: F401  (fixture
 REPEATS = int(os.environ.get("PLAIT_STRESS_REPEATS", "20"))
 STEPS = 14  # torch steps
 KERAS_EPOCHS = 5  # of 4 batches
+REMOVE_AT = 7  # step
 
-#: case -> (job, HVD_ADD, HVD_KILL as (step, host index, where) or None, kill in the reset)
+#: case -> (job, HVD_ADD, HVD_KILL as (step, host index, where) or None, kill in the reset);
+#: the ``*-add-remove`` cases take h3 out of discovery again after step REMOVE_AT
 CASES: dict[str, tuple[str, int, tuple[int, int, str] | None, bool]] = {
     "torch-kill": ("torch", 99, (5, 1, "start"), False),
     "torch-add-kill": ("torch", 3, (4, 1, "start"), False),
     "torch-add-kill-same-step": ("torch", 3, (3, 1, "start"), False),
     "torch-kill-in-reset": ("torch", 3, None, True),
     "torch-kill-at-commit": ("torch", 3, (5, 1, "commit"), False),
+    "torch-add-remove": ("torch", 3, None, False),
+    "tf-loop-kill": ("tf", 99, (5, 1, "start"), False),
     "tf-loop-add-kill": ("tf", 3, (4, 1, "start"), False),
     "tf-loop-kill-in-reset": ("tf", 3, None, True),
+    "tf-loop-kill-at-commit": ("tf", 3, (5, 1, "commit"), False),
+    "tf-loop-add-remove": ("tf", 3, None, False),
     "keras-kill": ("keras", 99, (7, 1, "start"), False),
     "keras-add-kill": ("keras", 5, (6, 1, "start"), False),
 }
@@ -72,7 +83,8 @@ def test_elastic_job_survives_the_change(tmp_path: Path, digits: str, emulated_h
     hosts = emulated_hosts(3, slots=1)
     names = hosts.hosts
     two = f"{names[0]}:1\n{names[1]}:1\n"
-    env = {"FT_DATA": digits, "HVD_ADD": str(add), "HVD_REMOVE": "99",
+    remove = REMOVE_AT if case.endswith("-add-remove") else 99
+    env = {"FT_DATA": digits, "HVD_ADD": str(add), "HVD_REMOVE": str(remove),
            "HVD_GROWN": f"{two}{names[2]}:1\n", "HOROVOD_GLOO_TIMEOUT_SECONDS": "10",
            "HVD_SLEEP": f"{0.1 + 0.1 * (seed % 6):.1f}", "HVD_STEPS": str(STEPS),
            "HVD_EPOCHS": str(KERAS_EPOCHS)}

@@ -383,7 +383,7 @@ def test_horovod_elastic_tf_loop_traced_before_a_host_joins_survives_a_killed_wo
     out = horovod_elastic(tmp_path, "job_ckpt_hvd_elastic_tf.py", two,
                           {"FT_DATA": digits, "HVD_ADD": "3", "HVD_REMOVE": "99", "HVD_STEPS": "12",
                            "HVD_GROWN": f"{two}{names[2]}:1\n", "HVD_KILL": f"8:{names[1]}",
-                           "HVD_SLEEP": "0.3", "HOROVOD_GLOO_TIMEOUT_SECONDS": "10"},
+                           "HOROVOD_GLOO_TIMEOUT_SECONDS": "10"},
                           timeout=360, hosts=hosts)
     done = re.search(r"HVD done sizes=\[(.*?)\] replicas_equal=(\w+) residual_steps=\[(.*?)\]", out)
     assert done is not None, out[-3000:]
