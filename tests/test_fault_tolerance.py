@@ -356,16 +356,21 @@ def test_horovod_elastic_torch_adds_a_host_and_survives_a_killed_worker(
                            "HVD_GROWN": f"{two}{names[2]}:1\n", "HVD_KILL": f"8:{names[1]}",
                            "HOROVOD_GLOO_TIMEOUT_SECONDS": "10"},
                           timeout=360, hosts=hosts)
+    check_grown_then_killed(out, 14, names[2])
+
+
+def check_grown_then_killed(out: str, steps: int, added: str) -> None:
+    """2 -> 3 -> 2 workers, equal replicas; the plait state object (a residual memory
+    counting steps) was committed and synced: every rank, the one that joined late
+    included, counted all ``steps``; the worker that joined ran on the ``added`` host."""
     done = re.search(r"HVD done sizes=\[(.*?)\] replicas_equal=(\w+) residual_steps=\[(.*?)\]", out)
     assert done is not None, out[-3000:]
     assert [int(s) for s in done.group(1).split(",")] == [2, 3, 2], out[-3000:]
     assert done.group(2) == "True", out[-3000:]
-    # the plait state object (a residual memory counting steps) was committed and synced:
-    # every rank, the one that joined late included, counted all 14 steps
-    assert [float(s) for s in done.group(3).split(",")] == [14.0, 14.0], out[-3000:]
+    assert [float(s) for s in done.group(3).split(",")] == [float(steps)] * 2, out[-3000:]
     joined = re.search(r"HVD joined rank=2 step=(\d+) seen=([\d.]+) host=(\S+)", out)
     assert joined is not None and int(joined.group(1)) == float(joined.group(2)) > 1, out[-3000:]
-    assert joined.group(3) == names[2], out[-3000:]  # the worker that joined ran on the added host
+    assert joined.group(3) == added, out[-3000:]
 
 
 @HOROVODRUN
@@ -385,13 +390,7 @@ def test_horovod_elastic_tf_loop_traced_before_a_host_joins_survives_a_killed_wo
                            "HVD_GROWN": f"{two}{names[2]}:1\n", "HVD_KILL": f"8:{names[1]}",
                            "HOROVOD_GLOO_TIMEOUT_SECONDS": "10"},
                           timeout=360, hosts=hosts)
-    done = re.search(r"HVD done sizes=\[(.*?)\] replicas_equal=(\w+) residual_steps=\[(.*?)\]", out)
-    assert done is not None, out[-3000:]
-    assert [int(s) for s in done.group(1).split(",")] == [2, 3, 2], out[-3000:]
-    assert done.group(2) == "True", out[-3000:]
-    assert [float(s) for s in done.group(3).split(",")] == [12.0, 12.0], out[-3000:]
-    joined = re.search(r"HVD joined rank=2 step=(\d+) seen=([\d.]+) host=(\S+)", out)
-    assert joined is not None and int(joined.group(1)) == float(joined.group(2)) > 1, out[-3000:]
+    check_grown_then_killed(out, 12, names[2])
 
 
 @HOROVODRUN

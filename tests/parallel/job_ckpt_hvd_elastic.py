@@ -50,6 +50,20 @@ class Plan:
                 f.write(self.hosts[step])
             os.replace(self.hosts_file + ".tmp", self.hosts_file)
 
+    def end_step(self, state: Any, rank: int, size: int, seen: float) -> None:
+        """After a step (``state.step`` counts it): rank 0 reports it and rewrites discovery,
+        the third worker reports once that it joined (``seen``: its plait state's count),
+        the worker to die at commit dies, and the others commit and pause."""
+        if rank == 0:
+            print(f"HVD step={state.step} size={size}", flush=True)
+            self.rewrite_hosts(state.step)
+        if size == 3 and rank == 2 and not os.environ.get("HVD_JOINED_REPORTED"):
+            os.environ["HVD_JOINED_REPORTED"] = "1"
+            print(f"HVD joined rank=2 step={state.step} seen={seen} host={self.host}", flush=True)
+        self.kill(state.step, "commit")
+        state.commit()
+        time.sleep(self.sleep)
+
 
 def die() -> None:
     """A reset callback that SIGKILLs this worker."""
@@ -101,16 +115,7 @@ def main() -> None:
             opt.step()
             memory.residuals["seen"] = memory.residuals["seen"] + 1
             state.step += 1
-            if rank == 0:
-                print(f"HVD step={state.step} size={size}", flush=True)
-                plan.rewrite_hosts(state.step)
-            if size == 3 and rank == 2 and not os.environ.get("HVD_JOINED_REPORTED"):
-                os.environ["HVD_JOINED_REPORTED"] = "1"
-                print(f"HVD joined rank=2 step={state.step} seen={memory.residuals['seen'].item()} "
-                      f"host={plan.host}", flush=True)
-            plan.kill(state.step, "commit")
-            state.commit()
-            time.sleep(plan.sleep)
+            plan.end_step(state, rank, size, float(memory.residuals["seen"].item()))
 
     train(state)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])

@@ -13,7 +13,6 @@ HVD_STEPS, HVD_SLEEP); it prints the same ``HVD done`` line.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 from job_ckpt_hvd_elastic import Plan, die
@@ -75,16 +74,7 @@ def main() -> None:
             training_step(x_all[mine], y_all[mine])
             memory.residuals["seen"] = memory.residuals["seen"] + 1
             state.step += 1
-            if rank == 0:
-                print(f"HVD step={state.step} size={size}", flush=True)
-                plan.rewrite_hosts(state.step)
-            if size == 3 and rank == 2 and not os.environ.get("HVD_JOINED_REPORTED"):
-                os.environ["HVD_JOINED_REPORTED"] = "1"
-                print(f"HVD joined rank=2 step={state.step} "
-                      f"seen={float(memory.residuals['seen'].numpy()[0])} host={plan.host}", flush=True)
-            plan.kill(state.step, "commit")
-            state.commit()
-            time.sleep(plan.sleep)
+            plan.end_step(state, rank, size, float(memory.residuals["seen"].numpy()[0]))
 
     train(state)
     flat = tf.concat([tf.reshape(v, [-1]) for v in model.trainable_variables], 0)
