@@ -20,13 +20,19 @@ Cases (``h2``: the second host, ``h3``: the third, listed from step/batch 3 or 5
   while the others commit it;
 * ``torch-add-remove``: h3 listed after step 3 and taken out of discovery after step 7
   (2 -> 3 -> 2, no worker dies);
+* ``torch-add``: h3 listed after step 3 (2 -> 3), nothing else (28 steps, so that the new
+  worker has time to start; the run must end on 3 workers);
+* ``torch-remove``: h2 taken out of discovery after step 3, no worker killed (must end on 1);
 * ``tf-loop-*``: the same cases (kill, add-kill, kill-in-reset, kill-at-commit,
-  add-remove) for a Keras custom loop: a ``tf.function`` step with
+  add-remove, add, remove) for a Keras custom loop: a ``tf.function`` step with
   ``DistributedGradientTape``, traced before any change, and ``TensorFlowKerasState``;
 * ``keras-kill``, ``keras-add-kill``: ``model.fit`` with Horovod's elastic callbacks, the
   worker on h2 killed after 7 batches; in the second, h3 listed after 5 batches;
-* on the MPI backend (``plait run --elastic``): the worker on h2 killed and h3 listed in
-  its place at the same instant.
+* on the MPI backend (``plait run --elastic``), after 2-5 commits: ``mpi-kill-swap``, the
+  worker on h2 killed and h3 listed in its place at the same instant (ends on 2 ranks);
+  ``mpi-kill``, the worker on h2 killed (its host is blamed: 1 rank); ``mpi-remove``, h2
+  taken out of discovery (1 rank); ``mpi-add``, a job started on h1 alone gets h2 (2
+  ranks); ``mpi-remove-add``, h2 taken out and h3 listed 1 s later (2 ranks).
 
 Run: ``make stress`` or ``python -m pytest tests/stress_elastic.py -q [-k CASE]`` (as root:
 emulated hosts are network namespaces).
@@ -39,6 +45,7 @@ import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +62,8 @@ KERAS_EPOCHS = 5  # of 4 batches
 REMOVE_AT = 7  # step
 
 #: case -> (job, HVD_ADD, HVD_KILL as (step, host index, where) or None, kill in the reset);
-#: the ``*-add-remove`` cases take h3 out of discovery again after step REMOVE_AT
+#: the ``*-add-remove`` cases take h3 out of discovery again after step REMOVE_AT; in the
+#: ``*-remove`` cases the list of step HVD_ADD holds h1 alone
 CASES: dict[str, tuple[str, int, tuple[int, int, str] | None, bool]] = {
     "torch-kill": ("torch", 99, (5, 1, "start"), False),
     "torch-add-kill": ("torch", 3, (4, 1, "start"), False),
@@ -63,11 +71,15 @@ CASES: dict[str, tuple[str, int, tuple[int, int, str] | None, bool]] = {
     "torch-kill-in-reset": ("torch", 3, None, True),
     "torch-kill-at-commit": ("torch", 3, (5, 1, "commit"), False),
     "torch-add-remove": ("torch", 3, None, False),
+    "torch-add": ("torch", 3, None, False),
+    "torch-remove": ("torch", 3, None, False),
     "tf-loop-kill": ("tf", 99, (5, 1, "start"), False),
     "tf-loop-add-kill": ("tf", 3, (4, 1, "start"), False),
     "tf-loop-kill-in-reset": ("tf", 3, None, True),
     "tf-loop-kill-at-commit": ("tf", 3, (5, 1, "commit"), False),
     "tf-loop-add-remove": ("tf", 3, None, False),
+    "tf-loop-add": ("tf", 3, None, False),
+    "tf-loop-remove": ("tf", 3, None, False),
     "keras-kill": ("keras", 99, (7, 1, "start"), False),
     "keras-add-kill": ("keras", 5, (6, 1, "start"), False),
 }
@@ -84,9 +96,11 @@ def test_elastic_job_survives_the_change(tmp_path: Path, digits: str, emulated_h
     names = hosts.hosts
     two = f"{names[0]}:1\n{names[1]}:1\n"
     remove = REMOVE_AT if case.endswith("-add-remove") else 99
-    env = {"FT_DATA": digits, "HVD_ADD": str(add), "HVD_REMOVE": str(remove),
-           "HVD_GROWN": f"{two}{names[2]}:1\n", "HOROVOD_GLOO_TIMEOUT_SECONDS": "10",
-           "HVD_SLEEP": f"{0.1 + 0.1 * (seed % 6):.1f}", "HVD_STEPS": str(STEPS),
+    steps = 2 * STEPS if case.endswith("-add") else STEPS  # time for the new worker to start
+    changed = f"{names[0]}:1\n" if case in ("torch-remove", "tf-loop-remove") else f"{two}{names[2]}:1\n"
+    env = {"FT_DATA": digits, "HVD_ADD": str(add), "HVD_REMOVE": str(remove), "HVD_GROWN": changed,
+           "HOROVOD_GLOO_TIMEOUT_SECONDS": "10",
+           "HVD_SLEEP": f"{0.1 + 0.1 * (seed % 6):.1f}", "HVD_STEPS": str(steps),
            "HVD_EPOCHS": str(KERAS_EPOCHS)}
     if kill is not None:
         env["HVD_KILL"] = f"{kill[0]}:{names[kill[1]]}" + (":commit" if kill[2] == "commit" else "")
@@ -96,11 +110,14 @@ def test_elastic_job_survives_the_change(tmp_path: Path, digits: str, emulated_h
               "keras": "job_ckpt_hvd_elastic_keras.py"}[job]
     out = horovod_elastic(tmp_path, script, two, env, timeout=360, hosts=hosts, min_np=1)
     if job != "keras":
-        done = re.search(r"HVD done sizes=\[.*?\] replicas_equal=(\w+) residual_steps=\[(.*?)\]", out)
+        done = re.search(r"HVD done sizes=\[(.*?)\] replicas_equal=(\w+) residual_steps=\[(.*?)\]", out)
         assert done is not None, out[-3000:]
-        assert done.group(1) == "True", out[-3000:]
-        counted = [float(s) for s in done.group(2).split(",")]
-        assert counted == [float(STEPS)] * len(counted), out[-3000:]
+        assert done.group(2) == "True", out[-3000:]
+        counted = [float(s) for s in done.group(3).split(",")]
+        assert counted == [float(steps)] * len(counted), out[-3000:]
+        ends = {"-add-remove": 2, "-add": 3, "-remove": 1}  # the size once the change is seen
+        end = next((n for suffix, n in ends.items() if case.endswith(suffix) and kill is None), None)
+        assert end is None or int(done.group(1).split(",")[-1]) == end, out[-3000:]
         return
     done = re.search(r"HVD done sizes=\[.*?\] replicas_equal=(\w+) accuracy=\S+ batches=(\d+) "
                      r"residual_batches=\[(.*?)\]", out)
@@ -111,33 +128,53 @@ def test_elastic_job_survives_the_change(tmp_path: Path, digits: str, emulated_h
     assert batches >= 4 * KERAS_EPOCHS and counted == [float(batches)] * len(counted), out[-3000:]
 
 
+#: MPI case -> (hosts listed at the start, hosts listed after the change (indices), kill the
+#: worker on h2, hosts listed 1 s later or None, ranks at the end)
+MPI_CASES: dict[str, tuple[tuple[int, ...], tuple[int, ...], bool, tuple[int, ...] | None, int]] = {
+    "mpi-kill-swap": ((0, 1), (0, 2), True, None, 2),
+    "mpi-kill": ((0, 1), (0, 1), True, None, 1),
+    "mpi-remove": ((0, 1), (0,), False, None, 1),
+    "mpi-add": ((0,), (0, 1), False, None, 2),
+    "mpi-remove-add": ((0, 1), (0,), False, (0, 2), 2),
+}
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("seed", range(REPEATS))
-def test_mpi_elastic_job_survives_a_kill_and_a_new_host_at_once(
-        tmp_path: Path, emulated_hosts, seed: int) -> None:  # noqa: F811
-    """``plait run --elastic`` (MPI backend), 2 hosts: after 2-5 commits (by seed) the second
-    host's worker is SIGKILLed and, in the same instant, discovery lists the third host
-    instead of the second; the job ends on 2 ranks with a one-process run's weights."""
+@pytest.mark.parametrize("case", list(MPI_CASES))
+def test_mpi_elastic_job_survives_the_change(tmp_path: Path, emulated_hosts, case: str,  # noqa: F811
+                                             seed: int) -> None:
+    """``plait run --elastic`` (MPI backend) on 3 emulated hosts: after 2-5 commits (by seed)
+    discovery changes and, in some cases, the worker on h2 is SIGKILLed in the same instant;
+    the job ends on the ranks it should with a one-process run's weights."""
     from test_elastic_mpi import JOB, STEPS, _commits, _until, drive, elastic_job
 
+    first, changed, kill, later, end = MPI_CASES[case]
     hosts = emulated_hosts(3, slots=1)
-    h0, h1, h2 = hosts.hosts
-    argv, env = elastic_job(tmp_path, "job_elastic_mpi.py", f"{h0}:1\n{h1}:1\n",
+
+    def listing(indices: tuple[int, ...]) -> str:
+        return "".join(f"{hosts.hosts[i]}:1\n" for i in indices)
+
+    argv, env = elastic_job(tmp_path, "job_elastic_mpi.py", listing(first),
                             {"EL_STEPS": str(STEPS), "EL_OUT": str(tmp_path / "w.npy"),
                              "PLAIT_TIMEOUT": "20"}, *hosts.mpirun_args())
     env["PATH"] = f"{hosts.bin_dir}:{env['PATH']}"
 
     def steer(proc: subprocess.Popen[Any]) -> None:
         _until(lambda: _commits(tmp_path / "commits") >= 2 + seed % 4, proc, "the first commits")
-        (tmp_path / "hosts").write_text(f"{h0}:1\n{h2}:1\n")
-        os.kill(int((tmp_path / "pids" / "pid-1-0").read_text()), signal.SIGKILL)
+        (tmp_path / "hosts").write_text(listing(changed))
+        if kill:
+            os.kill(int((tmp_path / "pids" / "pid-1-0").read_text()), signal.SIGKILL)
+        if later is not None:
+            time.sleep(1)
+            (tmp_path / "hosts").write_text(listing(later))
 
-    status, stdout, stderr = drive(tmp_path, lambda **kw: hosts.popen(h0, argv, env=env, cwd=str(ROOT),
-                                                                      **kw), steer)
+    status, stdout, stderr = drive(tmp_path, lambda **kw: hosts.popen(hosts.hosts[0], argv, env=env,
+                                                                      cwd=str(ROOT), **kw), steer)
     context = f"{stderr[-4000:]}\n{stdout[-3000:]}"
     assert status == 0, context
     done = re.findall(r"EL done rank=\d size=(\d) batch=(\d+) replicas_equal=(True|False)", stdout)
-    assert done == [("2", str(STEPS), "True")] * 2, context
+    assert done == [(str(end), str(STEPS), "True")] * end, context
     sys.path.insert(0, str(JOB.parent))
     try:
         from job_elastic_mpi import serial
