@@ -101,7 +101,6 @@ class _Distributed:
                 return torch.zeros_like(p)
             return p.grad.to_dense() if p.grad.is_sparse else p.grad
 
-        self._plait_synchronized = True
         scale = self._plait_predivide
         fresh = self._plait_reducer.fresh
         with torch.no_grad():
@@ -131,6 +130,7 @@ class _Distributed:
                     else:
                         p.grad.copy_(grad)
         self._plait_counts.update(self._plait_zeros)
+        self._plait_synchronized = True  # as in Horovod, not after a failure (an elastic reset)
 
     @contextlib.contextmanager
     def skip_synchronize(self) -> Iterator[None]:
