@@ -28,6 +28,8 @@ Cases (``h2``: the second host, ``h3``: the third, listed from step/batch 3 or 5
   ``DistributedGradientTape``, traced before any change, and ``TensorFlowKerasState``;
 * ``keras-kill``, ``keras-add-kill``: ``model.fit`` with Horovod's elastic callbacks, the
   worker on h2 killed after 7 batches; in the second, h3 listed after 5 batches;
+  ``keras-add``, ``keras-remove``: h3 listed (10 epochs, must end on 3 workers), or h2
+  taken out of discovery (must end on 1), after 5 batches;
 * on the MPI backend (``plait run --elastic``), after 2-5 commits: ``mpi-kill-swap``, the
   worker on h2 killed and h3 listed in its place at the same instant (ends on 2 ranks);
   ``mpi-kill``, the worker on h2 killed (its host is blamed: 1 rank); ``mpi-remove``, h2
@@ -63,7 +65,7 @@ REMOVE_AT = 7  # step
 
 #: case -> (job, HVD_ADD, HVD_KILL as (step, host index, where) or None, kill in the reset);
 #: the ``*-add-remove`` cases take h3 out of discovery again after step REMOVE_AT; in the
-#: ``*-remove`` cases the list of step HVD_ADD holds h1 alone
+#: other ``*-remove`` cases the list of step HVD_ADD holds h1 alone
 CASES: dict[str, tuple[str, int, tuple[int, int, str] | None, bool]] = {
     "torch-kill": ("torch", 99, (5, 1, "start"), False),
     "torch-add-kill": ("torch", 3, (4, 1, "start"), False),
@@ -82,6 +84,8 @@ CASES: dict[str, tuple[str, int, tuple[int, int, str] | None, bool]] = {
     "tf-loop-remove": ("tf", 3, None, False),
     "keras-kill": ("keras", 99, (7, 1, "start"), False),
     "keras-add-kill": ("keras", 5, (6, 1, "start"), False),
+    "keras-add": ("keras", 5, None, False),
+    "keras-remove": ("keras", 5, None, False),
 }
 
 
@@ -96,12 +100,13 @@ def test_elastic_job_survives_the_change(tmp_path: Path, digits: str, emulated_h
     names = hosts.hosts
     two = f"{names[0]}:1\n{names[1]}:1\n"
     remove = REMOVE_AT if case.endswith("-add-remove") else 99
-    steps = 2 * STEPS if case.endswith("-add") else STEPS  # time for the new worker to start
-    changed = f"{names[0]}:1\n" if case in ("torch-remove", "tf-loop-remove") else f"{two}{names[2]}:1\n"
+    grow = 2 if case.endswith("-add") else 1  # twice the steps: time for the new worker to start
+    steps, epochs = grow * STEPS, grow * KERAS_EPOCHS
+    changed = f"{names[0]}:1\n" if case.endswith("-remove") and remove == 99 else f"{two}{names[2]}:1\n"
     env = {"FT_DATA": digits, "HVD_ADD": str(add), "HVD_REMOVE": str(remove), "HVD_GROWN": changed,
            "HOROVOD_GLOO_TIMEOUT_SECONDS": "10",
            "HVD_SLEEP": f"{0.1 + 0.1 * (seed % 6):.1f}", "HVD_STEPS": str(steps),
-           "HVD_EPOCHS": str(KERAS_EPOCHS)}
+           "HVD_EPOCHS": str(epochs)}
     if kill is not None:
         env["HVD_KILL"] = f"{kill[0]}:{names[kill[1]]}" + (":commit" if kill[2] == "commit" else "")
     if in_reset:
@@ -109,23 +114,23 @@ def test_elastic_job_survives_the_change(tmp_path: Path, digits: str, emulated_h
     script = {"torch": "job_ckpt_hvd_elastic.py", "tf": "job_ckpt_hvd_elastic_tf.py",
               "keras": "job_ckpt_hvd_elastic_keras.py"}[job]
     out = horovod_elastic(tmp_path, script, two, env, timeout=360, hosts=hosts, min_np=1)
+    ends = {"-add-remove": 2, "-add": 3, "-remove": 1}  # the size once the change is seen
+    end = next((n for suffix, n in ends.items() if case.endswith(suffix) and kill is None), None)
     if job != "keras":
         done = re.search(r"HVD done sizes=\[(.*?)\] replicas_equal=(\w+) residual_steps=\[(.*?)\]", out)
         assert done is not None, out[-3000:]
         assert done.group(2) == "True", out[-3000:]
         counted = [float(s) for s in done.group(3).split(",")]
         assert counted == [float(steps)] * len(counted), out[-3000:]
-        ends = {"-add-remove": 2, "-add": 3, "-remove": 1}  # the size once the change is seen
-        end = next((n for suffix, n in ends.items() if case.endswith(suffix) and kill is None), None)
-        assert end is None or int(done.group(1).split(",")[-1]) == end, out[-3000:]
-        return
-    done = re.search(r"HVD done sizes=\[.*?\] replicas_equal=(\w+) accuracy=\S+ batches=(\d+) "
-                     r"residual_batches=\[(.*?)\]", out)
-    assert done is not None, out[-3000:]
-    assert done.group(1) == "True", out[-3000:]
-    batches = int(done.group(2))  # a reset restarts the epoch from its start: >= all batches
-    counted = [float(s) for s in done.group(3).split(",")]
-    assert batches >= 4 * KERAS_EPOCHS and counted == [float(batches)] * len(counted), out[-3000:]
+    else:
+        done = re.search(r"HVD done sizes=\[(.*?)\] replicas_equal=(\w+) accuracy=\S+ batches=(\d+) "
+                         r"residual_batches=\[(.*?)\]", out)
+        assert done is not None, out[-3000:]
+        assert done.group(2) == "True", out[-3000:]
+        batches = int(done.group(3))  # a reset restarts the epoch from its start: >= all batches
+        counted = [float(s) for s in done.group(4).split(",")]
+        assert batches >= 4 * epochs and counted == [float(batches)] * len(counted), out[-3000:]
+    assert end is None or int(done.group(1).split(",")[-1]) == end, out[-3000:]
 
 
 #: MPI case -> (hosts listed at the start, hosts listed after the change (indices), kill the
