@@ -7,7 +7,9 @@ added or removed, resetting the library in between. plait adds two things:
   so optimizers and callbacks made from ``plait.torch`` / ``plait.keras`` keep
   working with the new ranks and sizes;
 * plait state objects (:class:`plait.checkpoint.Stateful`, e.g. error-feedback
-  memories) are committed, restored and synchronised with the model.
+  memories) are committed, restored and synchronised with the model;
+* a host change that the driver announces while the workers are in a reset is
+  not lost (:class:`LateHostUpdates`).
 
 The framework states are in :mod:`plait.collectives.horovod_elastic_torch` and
 :mod:`plait.collectives.horovod_elastic_tf`; users reach them as
@@ -20,7 +22,9 @@ from __future__ import annotations
 
 import copy
 import os
+import queue
 import socket
+import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -33,7 +37,55 @@ from plait.errors import ConfigError
 
 from .timeline import span
 
-__all__ = ["PlaitObjects", "check_versions", "elastic_run", "reset"]
+__all__ = ["LateHostUpdates", "PlaitObjects", "check_versions", "elastic_run", "reset"]
+
+
+class LateHostUpdates:
+    """Mixin for Horovod elastic states: host updates announced during a reset survive it.
+
+    Horovod's driver forms a new round from the hosts it knows when the workers are
+    ready to reset, then starts new workers, and the reset waits for them. A host that
+    discovery adds or removes meanwhile is announced to the coordinator, but Horovod's
+    ``on_reset`` empties the announcements when the reset ends, and a worker on a host
+    removed from discovery kept training until the job ended. This mixin keeps every
+    announcement that arrived after the change that caused the reset was seen (the last
+    ``check_host_updates``, or a worker's failure: ``restore()``), so the next
+    ``commit()`` acts on it. An announcement the new round already reflects costs one
+    more reset without a membership change.
+    """
+
+    _host_messages: queue.Queue[tuple[Any, Any]]  # Horovod's State's
+    _last_updated_timestamp: int
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._plait_arrivals: list[tuple[float, Any, Any]] = []  # (monotonic, timestamp, result)
+        self._plait_seen = 0.0  # when the change that the next reset answers was seen
+        super().__init__(*args, **kwargs)
+
+    def on_hosts_updated(self, timestamp: Any, update_res: Any) -> None:
+        """Horovod's notification of a host change (from its notification thread)."""
+        self._plait_arrivals = [*self._plait_arrivals, (time.monotonic(), timestamp, update_res)]
+        super().on_hosts_updated(timestamp, update_res)  # type: ignore[misc]
+
+    def check_host_updates(self) -> None:
+        """Horovod's check on ``commit()``: raises ``HostsUpdatedInterrupt`` on a change."""
+        self._plait_seen = time.monotonic()
+        super().check_host_updates()  # type: ignore[misc]
+
+    def restore(self) -> None:
+        """Roll back to the last commit (after a worker failed)."""
+        self._plait_seen = time.monotonic()
+        super().restore()  # type: ignore[misc]
+
+    def on_reset(self) -> None:
+        """Horovod's reset callbacks, with the announcements that came during the reset kept."""
+        late = [(stamp, result) for at, stamp, result in self._plait_arrivals if at >= self._plait_seen]
+        self._plait_arrivals = []
+        super().on_reset()  # type: ignore[misc]
+        for stamp, result in late:
+            self._host_messages.put((stamp, result))
+        if late:  # Horovod acts only on newer timestamps (whole seconds): same second as the last
+            self._last_updated_timestamp = min(self._last_updated_timestamp, min(s for s, _ in late) - 1)
 
 
 class PlaitObjects:

@@ -31,7 +31,7 @@ from plait.adapters.keras_elastic import check_state_arguments
 
 from plait.errors import invalid
 
-from .horovod_elastic import PlaitObjects, check_versions, elastic_run
+from .horovod_elastic import LateHostUpdates, PlaitObjects, check_versions, elastic_run
 
 __all__ = [
     "CommitStateCallback", "KerasState", "TensorFlowKerasState", "TensorFlowState",
@@ -84,7 +84,7 @@ def _rank() -> int:
     return int(world.rank) if world is not None else int(hvd.rank())
 
 
-class TensorFlowState(ObjectState):  # type: ignore[misc]
+class TensorFlowState(LateHostUpdates, ObjectState):  # type: ignore[misc]
     """Horovod's ``hvd.elastic.TensorFlowState``: elastic state of TensorFlow variables.
 
     Args:

@@ -17,12 +17,12 @@ import horovod.torch as hvd
 from horovod.torch.elastic import ElasticSampler
 from horovod.torch.elastic import TorchState as _HorovodTorchState
 
-from .horovod_elastic import PlaitObjects, check_versions, elastic_run
+from .horovod_elastic import LateHostUpdates, PlaitObjects, check_versions, elastic_run
 
 __all__ = ["ElasticSampler", "TorchState", "run"]
 
 
-class TorchState(_HorovodTorchState):  # type: ignore[misc]
+class TorchState(LateHostUpdates, _HorovodTorchState):  # type: ignore[misc]
     """Horovod elastic state of a torch job plus plait state objects.
 
     Model, optimizer and plain attributes (``epoch=0``, ``batch=0``) are committed

@@ -280,6 +280,44 @@ def test_faces_expose_horovod_elastic_lazily() -> None:
         hvd.elastik  # noqa: B018
 
 
+
+def test_a_host_change_announced_during_an_elastic_reset_is_acted_on_after_it() -> None:
+    """Horovod's elastic state empties the host announcements when a reset ends, so a host
+    removed while the workers waited in the reset kept its worker to the end of the job;
+    plait's states keep what arrived after the change that the reset answers."""
+    pytest.importorskip("horovod")
+    from horovod.common.elastic import ObjectState
+    from horovod.common.exceptions import HostsUpdatedInterrupt
+    from horovod.runner.elastic.worker import HostUpdateResult
+    from plait.collectives.horovod_elastic import LateHostUpdates
+
+    def new(kind: type) -> ObjectState:
+        return kind(bcast_object=lambda obj: obj, get_rank=lambda: 0, step=0)
+
+    class Ours(LateHostUpdates, ObjectState):  # type: ignore[misc]
+        pass
+
+    for kind, kept in ((ObjectState, False), (Ours, True)):
+        state = new(kind)
+        state.on_hosts_updated(100, HostUpdateResult.added)
+        with pytest.raises(HostsUpdatedInterrupt):
+            state.commit()  # the change the reset answers
+        state.on_hosts_updated(100, HostUpdateResult.removed)  # during the reset, the same second
+        state.on_reset()
+        if not kept:
+            state.commit()  # Horovod's: lost
+            continue
+        with pytest.raises(HostsUpdatedInterrupt) as interrupt:
+            state.commit()
+        assert interrupt.value.skip_sync  # a removal: Horovod's flag to skip the sync
+        state.on_reset()
+        state.commit()  # nothing new
+        state.on_hosts_updated(101, HostUpdateResult.added)  # before a worker failed: the new
+        state.restore()  # round is formed after the failure, so it has the new host
+        state.on_reset()
+        state.commit()
+
+
 WRITER = """
 import sys, torch
 from plait.checkpoint import Checkpoint
