@@ -18,8 +18,18 @@ Cases (``h2``: the second host, ``h3``: the third, listed from step/batch 3 or 5
   reset that follows (after the new rendezvous, before the state's sync);
 * ``torch-kill-at-commit``: h3 listed after step 3, the worker on h2 killed after step 5,
   while the others commit it;
+* ``torch-kill-in-checkpoint``: every worker saves a ``plait.Checkpoint`` after each commit
+  (rank 0 gathers and writes); rank 0's worker (on h1) is SIGKILLed in the middle of writing
+  step 5's, after its first file. The survivor's latest checkpoint must hold the last step and
+  the trained weights;
+* ``torch-kill-in-checkpoint-gather``: the same, the worker on h2 killed as it starts saving
+  step 5's checkpoint, while rank 0 gathers;
 * ``torch-add-remove``: h3 listed after step 3 and taken out of discovery after step 7
   (2 -> 3 -> 2, no worker dies);
+* ``torch-add-leave-in-reset``: h3 listed after step 3; its worker, as it starts, takes h3
+  out of discovery again and waits 2.5 s, so that Horovod's driver announces the removal
+  while the others wait for that worker in their reset (2 -> 3 -> 2; Horovod itself loses
+  that announcement, and the removed host's worker trains to the end);
 * ``torch-add``: h3 listed after step 3 (2 -> 3), nothing else (28 steps, so that the new
   worker has time to start; the run must end on 3 workers);
 * ``torch-remove``: h2 taken out of discovery after step 3, no worker killed (must end on 1);
@@ -63,18 +73,23 @@ STEPS = 14  # torch steps
 KERAS_EPOCHS = 5  # of 4 batches
 REMOVE_AT = 7  # step
 
-#: case -> (job, discovery change, HVD_ADD, HVD_KILL as (step, host index, where) or None,
+#: case -> (job, discovery change, HVD_ADD, HVD_KILL as (step, host index, where: start,
+#: commit, checkpoint, gather; the last two save checkpoints) or None,
 #: kill in the reset, workers at the end or None where a kill makes it vary). The change at
 #: step HVD_ADD: ``grow`` lists h3 too, ``shrink`` lists h1 alone; ``grow-shrink`` also takes
-#: h3 out again after step REMOVE_AT. A case that ends on 3 workers runs twice the steps, so
-#: that the new worker has time to start.
+#: h3 out again after step REMOVE_AT; ``grow-leave``: h3's worker takes h3 out as it starts.
+#: A case that ends on 3 workers, and ``grow-leave``, run twice the steps, so that the new worker
+#: has time to start.
 CASES: dict[str, tuple[str, str, int, tuple[int, int, str] | None, bool, int | None]] = {
     "torch-kill": ("torch", "grow", 99, (5, 1, "start"), False, None),
     "torch-add-kill": ("torch", "grow", 3, (4, 1, "start"), False, None),
     "torch-add-kill-same-step": ("torch", "grow", 3, (3, 1, "start"), False, None),
     "torch-kill-in-reset": ("torch", "grow", 3, None, True, None),
     "torch-kill-at-commit": ("torch", "grow", 3, (5, 1, "commit"), False, None),
+    "torch-kill-in-checkpoint": ("torch", "grow", 99, (5, 0, "checkpoint"), False, None),
+    "torch-kill-in-checkpoint-gather": ("torch", "grow", 99, (5, 1, "gather"), False, None),
     "torch-add-remove": ("torch", "grow-shrink", 3, None, False, 2),
+    "torch-add-leave-in-reset": ("torch", "grow-leave", 3, None, False, 2),
     "torch-add": ("torch", "grow", 3, None, False, 3),
     "torch-remove": ("torch", "shrink", 3, None, False, 1),
     "tf-loop-kill": ("tf", "grow", 99, (5, 1, "start"), False, None),
@@ -102,7 +117,7 @@ def test_elastic_job_survives_the_change(tmp_path: Path, digits: str, emulated_h
     names = hosts.hosts
     two = f"{names[0]}:1\n{names[1]}:1\n"
     remove = REMOVE_AT if change == "grow-shrink" else 99
-    grow = 2 if end == 3 else 1
+    grow = 2 if end == 3 or change == "grow-leave" else 1  # a worker must have time to join
     steps, epochs = grow * STEPS, grow * KERAS_EPOCHS
     changed = f"{names[0]}:1\n" if change == "shrink" else f"{two}{names[2]}:1\n"
     env = {"FT_DATA": digits, "HVD_ADD": str(add), "HVD_REMOVE": str(remove), "HVD_GROWN": changed,
@@ -110,27 +125,35 @@ def test_elastic_job_survives_the_change(tmp_path: Path, digits: str, emulated_h
            "HVD_SLEEP": f"{0.1 + 0.1 * (seed % 6):.1f}", "HVD_STEPS": str(steps),
            "HVD_EPOCHS": str(epochs)}
     if kill is not None:
-        env["HVD_KILL"] = f"{kill[0]}:{names[kill[1]]}" + (":commit" if kill[2] == "commit" else "")
+        env["HVD_KILL"] = f"{kill[0]}:{names[kill[1]]}:{kill[2]}"
+        if kill[2] in ("checkpoint", "gather"):
+            env["HVD_CKPT"] = str(tmp_path / "ckpt")
     if in_reset:
         env["HVD_KILL_RESET"] = names[1]
+    if change == "grow-leave":
+        env.update(HVD_LEAVE=names[2], HVD_LEFT=two)
     script = {"torch": "job_ckpt_hvd_elastic.py", "tf": "job_ckpt_hvd_elastic_tf.py",
               "keras": "job_ckpt_hvd_elastic_keras.py"}[job]
     out = horovod_elastic(tmp_path, script, two, env, timeout=360, hosts=hosts, min_np=1)
+    (tmp_path / "output.txt").write_text(out)  # pytest keeps the last runs' tmp_path
+    told = "\n".join(line for line in out.splitlines() if "HVD" in line or "rror:" in line)[-3000:]
     if job != "keras":
         done = re.search(r"HVD done sizes=\[(.*?)\] replicas_equal=(\w+) residual_steps=\[(.*?)\]", out)
-        assert done is not None, out[-3000:]
-        assert done.group(2) == "True", out[-3000:]
+        assert done is not None, told
+        assert done.group(2) == "True", told
         counted = [float(s) for s in done.group(3).split(",")]
-        assert counted == [float(steps)] * len(counted), out[-3000:]
+        assert counted == [float(steps)] * len(counted), told
+        if "HVD_CKPT" in env:
+            assert f"checkpoint_step={steps} checkpoint_equal=True" in out, told
     else:
         done = re.search(r"HVD done sizes=\[(.*?)\] replicas_equal=(\w+) accuracy=\S+ batches=(\d+) "
                          r"residual_batches=\[(.*?)\]", out)
-        assert done is not None, out[-3000:]
-        assert done.group(2) == "True", out[-3000:]
+        assert done is not None, told
+        assert done.group(2) == "True", told
         batches = int(done.group(3))  # a reset restarts the epoch from its start: >= all batches
         counted = [float(s) for s in done.group(4).split(",")]
-        assert batches >= 4 * epochs and counted == [float(batches)] * len(counted), out[-3000:]
-    assert end is None or int(done.group(1).split(",")[-1]) == end, out[-3000:]
+        assert batches >= 4 * epochs and counted == [float(batches)] * len(counted), told
+    assert end is None or int(done.group(1).split(",")[-1]) == end, told
 
 
 #: MPI case -> (hosts listed at the start, hosts listed after the change (indices), kill the

@@ -8,9 +8,17 @@ rewrites the discovery file (HVD_HOSTS, lines ``host:slots``) to HVD_GROWN (defa
 at step HVD_REMOVE; training continues across both changes and finishes. With HVD_KILL
 (``STEP:HOST``) the worker on HOST SIGKILLs itself when it starts step STEP, while the others
 are in that step's collectives (``STEP:HOST:commit``: when it ends step STEP, while the others
-commit it); with HVD_KILL_RESET (``HOST``) the worker on HOST SIGKILLs
-itself in its first reset callback, after the new rendezvous and before the state's sync. On
-the host named HVD_ODD_HOST plait reports another version (that worker must leave the job).
+commit it; ``STEP:HOST:checkpoint``: in the middle of writing step STEP's checkpoint, after
+its first file, where HOST is rank 0's, the writer's; ``STEP:HOST:gather``: as it starts
+saving that checkpoint, while rank 0 gathers); with HVD_KILL_RESET (``HOST``) the
+worker on HOST SIGKILLs itself in its first reset callback, after the new rendezvous and
+before the state's sync. The worker on HVD_LEAVE (a host) takes its host out of discovery
+(the file becomes HVD_LEFT) as it starts, and waits 2.5 s (Horovod's driver sees the
+removal while the others wait for this worker in their reset) before it joins. With HVD_CKPT
+(a directory) every worker saves a ``plait.Checkpoint`` after each commit (the plait state
+object makes it collective: rank 0 gathers and writes); at the end every worker restores the
+latest one into a fresh model and reports its step and whether its weights equal the trained
+ones. On the host named HVD_ODD_HOST plait reports another version (that worker must leave the job).
 A worker's host is Horovod's name for it (``HOROVOD_HOSTNAME``), else its host name.
 """
 
@@ -38,8 +46,18 @@ class Plan:
         self.sleep = float(os.environ.get("HVD_SLEEP", "0.5"))
         self.kill_in_reset = self.host == os.environ.get("HVD_KILL_RESET")
 
+    def leave(self) -> None:
+        """On the worker on HVD_LEAVE: take this host out of discovery, and wait until the
+        driver saw it (it polls discovery every second)."""
+        if self.host == os.environ.get("HVD_LEAVE"):
+            with open(self.hosts_file + ".tmp", "w") as f:
+                f.write(os.environ["HVD_LEFT"])
+            os.replace(self.hosts_file + ".tmp", self.hosts_file)
+            time.sleep(2.5)
+
     def kill(self, step: int, where: str) -> None:
-        """SIGKILL this worker if it is the one to die at ``step`` (``where``: start, commit)."""
+        """SIGKILL this worker if it is the one to die at ``step`` (``where``: start, commit,
+        checkpoint, gather)."""
         if step == self.kill_at and self.host == self.kill_host and self.kill_where == where:
             os.kill(os.getpid(), signal.SIGKILL)
 
@@ -70,19 +88,47 @@ def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def die_while_writing(plan: Plan, state: Any) -> None:
+    """Make this worker SIGKILL itself after the first file of the checkpoint it is to die in."""
+    from plait.checkpoint import atomic
+
+    write = atomic._write_synced
+
+    def write_then_maybe_die(path: str, data: bytes) -> None:
+        write(path, data)
+        plan.kill(state.step, "checkpoint")
+
+    atomic._write_synced = write_then_maybe_die
+
+
+def check_checkpoint(ckpt: Any, model: Any) -> str:
+    """Restore the latest checkpoint into a fresh copy of ``model`` (collective); its step and
+    whether its weights equal ``model``'s."""
+    import copy
+
+    import torch
+
+    fresh = copy.deepcopy(model)
+    for p in fresh.parameters():
+        torch.nn.init.zeros_(p)
+    step = ckpt.restore(fresh)
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters()))
+    return f" checkpoint_step={step} checkpoint_equal={same}"
+
+
 def main() -> None:
     import numpy as np
     import torch
 
+    import plait
     import plait.torch as hvd
     from plait.compression import Residual
 
     torch.set_num_threads(1)
     plan = Plan()
     if plan.host == os.environ.get("HVD_ODD_HOST"):
-        import plait
-
         plait.__version__ = "0.0.0+other"  # as if this host had another plait installed
+    plan.leave()
     hvd.init()  # plait's world on the Horovod backend (started by horovodrun)
     assert hvd.backend() == "horovod"
     with np.load(os.environ["FT_DATA"]) as data:
@@ -97,6 +143,9 @@ def main() -> None:
     state = hvd.elastic.TorchState(model, opt, state={"ef": memory}, step=0, sizes=[])
     if plan.kill_in_reset:
         state.register_reset_callbacks([die])
+    ckpt = plait.Checkpoint(os.environ["HVD_CKPT"]) if os.environ.get("HVD_CKPT") else None
+    if plan.kill_where == "checkpoint":
+        die_while_writing(plan, state)
 
     @hvd.elastic.run
     def train(state: Any) -> None:
@@ -116,15 +165,19 @@ def main() -> None:
             memory.residuals["seen"] = memory.residuals["seen"] + 1
             state.step += 1
             plan.end_step(state, rank, size, float(memory.residuals["seen"].item()))
+            if ckpt is not None:
+                plan.kill(state.step, "gather")
+                ckpt.save(state.step, model, opt, state={"ef": memory})
 
     train(state)
     flat = torch.cat([p.detach().reshape(-1) for p in model.parameters()])
     gathered = hvd.allgather(flat.reshape(1, -1))
     same = all(torch.equal(gathered[0], row) for row in gathered)
     seen = hvd.allgather(memory.residuals["seen"].reshape(1, -1))
+    restored = "" if ckpt is None else check_checkpoint(ckpt, model)
     if hvd.rank() == 0:
         print(f"HVD done sizes={state.sizes} replicas_equal={same} "
-              f"residual_steps={seen.reshape(-1).tolist()}", flush=True)
+              f"residual_steps={seen.reshape(-1).tolist()}{restored}", flush=True)
 
 
 if __name__ == "__main__":
