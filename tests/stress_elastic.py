@@ -42,7 +42,9 @@ Cases (``h2``: the second host, ``h3``: the third, listed from step/batch 3 or 5
   taken out of discovery (must end on 1), after 5 batches;
 * on the MPI backend (``plait run --elastic``), after 2-5 commits: ``mpi-kill-swap``, the
   worker on h2 killed and h3 listed in its place at the same instant (ends on 2 ranks);
-  ``mpi-kill``, the worker on h2 killed (its host is blamed: 1 rank); ``mpi-remove``, h2
+  ``mpi-kill``, the worker on h2 killed (its host is blamed: 1 rank); ``mpi-kill-in-write``,
+  the same while it writes its host's commit file (the state carries 32 MiB, so that the
+  write takes a while); ``mpi-remove``, h2
   taken out of discovery (1 rank); ``mpi-add``, a job started on h1 alone gets h2 (2
   ranks); ``mpi-remove-add``, h2 taken out and h3 listed 1 s later (2 ranks).
 
@@ -157,13 +159,15 @@ def test_elastic_job_survives_the_change(tmp_path: Path, digits: str, emulated_h
 
 
 #: MPI case -> (hosts listed at the start, hosts listed after the change (indices), kill the
-#: worker on h2, hosts listed 1 s later or None, ranks at the end)
-MPI_CASES: dict[str, tuple[tuple[int, ...], tuple[int, ...], bool, tuple[int, ...] | None, int]] = {
-    "mpi-kill-swap": ((0, 1), (0, 2), True, None, 2),
-    "mpi-kill": ((0, 1), (0, 1), True, None, 1),
-    "mpi-remove": ((0, 1), (0,), False, None, 1),
-    "mpi-add": ((0,), (0, 1), False, None, 2),
-    "mpi-remove-add": ((0, 1), (0,), False, (0, 2), 2),
+#: worker on h2: "now", "in-write" (while it writes its host's commit file) or "" (no),
+#: hosts listed 1 s later or None, ranks at the end)
+MPI_CASES: dict[str, tuple[tuple[int, ...], tuple[int, ...], str, tuple[int, ...] | None, int]] = {
+    "mpi-kill-swap": ((0, 1), (0, 2), "now", None, 2),
+    "mpi-kill": ((0, 1), (0, 1), "now", None, 1),
+    "mpi-kill-in-write": ((0, 1), (0, 1), "in-write", None, 1),
+    "mpi-remove": ((0, 1), (0,), "", None, 1),
+    "mpi-add": ((0,), (0, 1), "", None, 2),
+    "mpi-remove-add": ((0, 1), (0,), "", (0, 2), 2),
 }
 
 
@@ -173,8 +177,9 @@ MPI_CASES: dict[str, tuple[tuple[int, ...], tuple[int, ...], bool, tuple[int, ..
 def test_mpi_elastic_job_survives_the_change(tmp_path: Path, emulated_hosts, case: str,  # noqa: F811
                                              seed: int) -> None:
     """``plait run --elastic`` (MPI backend) on 3 emulated hosts: after 2-5 commits (by seed)
-    discovery changes and, in some cases, the worker on h2 is SIGKILLed in the same instant;
-    the job ends on the ranks it should with a one-process run's weights."""
+    discovery changes and, in some cases, the worker on h2 is SIGKILLed in the same instant
+    (or as it next writes its commit file); the job ends on the ranks it should with a
+    one-process run's weights."""
     from test_elastic_mpi import JOB, STEPS, _commits, _until, drive, elastic_job
 
     first, changed, kill, later, end = MPI_CASES[case]
@@ -185,14 +190,22 @@ def test_mpi_elastic_job_survives_the_change(tmp_path: Path, emulated_hosts, cas
 
     argv, env = elastic_job(tmp_path, "job_elastic_mpi.py", listing(first),
                             {"EL_STEPS": str(STEPS), "EL_OUT": str(tmp_path / "w.npy"),
+                             "EL_BLOB": "32" if kill == "in-write" else "0",
                              "PLAIT_TIMEOUT": "20"}, *hosts.mpirun_args())
     env["PATH"] = f"{hosts.bin_dir}:{env['PATH']}"
 
     def steer(proc: subprocess.Popen[Any]) -> None:
         _until(lambda: _commits(tmp_path / "commits") >= 2 + seed % 4, proc, "the first commits")
         (tmp_path / "hosts").write_text(listing(changed))
+        pid = int((tmp_path / "pids" / "pid-1-0").read_text())
+        if kill == "in-write":
+            writing = f"commit-*.pkl.{pid}.tmp"  # elastic_relaunch's temporary
+            deadline = time.monotonic() + 60
+            while not any((tmp_path / "commits").glob(writing)):
+                assert time.monotonic() < deadline and proc.poll() is None, "no commit written"
+                time.sleep(0.0005)
         if kill:
-            os.kill(int((tmp_path / "pids" / "pid-1-0").read_text()), signal.SIGKILL)
+            os.kill(pid, signal.SIGKILL)
         if later is not None:
             time.sleep(1)
             (tmp_path / "hosts").write_text(listing(later))

@@ -26,6 +26,7 @@ and host changes never happen.
 from __future__ import annotations
 
 import copy
+import glob
 import os
 import pickle
 import socket
@@ -219,6 +220,9 @@ class State:
         world = runtime.world()
         path = self._path()
         mine: dict[str, Any] | None = None
+        if path is not None and world.local_rank == 0:  # a killed writer's half-written commit
+            for stale in glob.glob(f"{glob.escape(path)}.*.tmp"):
+                os.remove(stale)
         if path is not None and os.path.exists(path):
             with open(path, "rb") as f:
                 mine = pickle.load(f)

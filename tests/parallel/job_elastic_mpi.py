@@ -7,7 +7,8 @@ by 48 are the whole batch's, so the weights equal a one-process run whatever
 relaunches and world sizes happened, as long as every committed step is applied
 exactly once. Commits after every step. Environment: EL_STEPS, EL_SLEEP (seconds
 per step), EL_OUT (final weights, .npy, written by rank 0), EL_PIDS (a directory:
-each rank writes its pid to ``pid-RANK-RESTART`` there).
+each rank writes its pid to ``pid-RANK-RESTART`` there), EL_BLOB (MiB of zeros that the
+state also carries, so that writing a commit takes a while).
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ def main() -> None:
             f.write(str(os.getpid()))
     steps, pause = int(os.environ["EL_STEPS"]), float(os.environ.get("EL_SLEEP", "0"))
     model, opt = model_and_optimizer()
-    state = hvd.elastic.TorchState(model, opt, batch=0)
+    blob = np.zeros(int(os.environ.get("EL_BLOB", "0")) << 17)  # float64: 2**17 per MiB
+    state = hvd.elastic.TorchState(model, opt, batch=0, blob=blob)
     state.register_reset_callbacks([lambda: print(f"EL reset rank={hvd.rank()} size={hvd.size()}",
                                                   flush=True)])
 
