@@ -1,7 +1,7 @@
 """Horovod's elastic mode with plait: what the torch and the TensorFlow states share.
 
 Horovod's ``hvd.elastic.run`` retries the training function after workers were
-added or removed, resetting the library in between. plait adds two things:
+added or removed, resetting the library in between. plait adds three things:
 
 * the reset also rebinds plait's world communicator (when it runs on Horovod),
   so optimizers and callbacks made from ``plait.torch`` / ``plait.keras`` keep

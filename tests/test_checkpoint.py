@@ -280,7 +280,6 @@ def test_faces_expose_horovod_elastic_lazily() -> None:
         hvd.elastik  # noqa: B018
 
 
-
 def test_a_host_change_announced_during_an_elastic_reset_is_acted_on_after_it() -> None:
     """Horovod's elastic state empties the host announcements when a reset ends, so a host
     removed while the workers waited in the reset kept its worker to the end of the job;
