@@ -88,6 +88,8 @@ class _Sleep:
         self.progress: Any = None
 
     def _compute(self, seconds: float) -> None:
+        if seconds <= 0:  # the floors: no compute at all
+            return
         layers = max(1, min(4, int(seconds / 1e-3)))
         for i in range(layers):
             if i and self.progress is not None:
@@ -108,6 +110,51 @@ class _Sleep:
 
     def infer(self, x: Any) -> Any:
         return x
+
+
+def raw_step(comm: Any, actions: Any, shape: tuple[int, int]) -> float:
+    """Seconds of one step of ``actions`` with no compute, sent with raw mpi4py: each message
+    posted when its action comes (receives polled with ``Test``), the sends waited for at the
+    end; what the messages alone cost on the critical path, for comparison with the runtime."""
+    import numpy as np
+    from mpi4py import MPI
+
+    payload, sends = np.zeros(shape, np.float32), []
+    comm.Barrier()
+    start = time.perf_counter()
+    for a in actions:
+        kind = a.kind.value
+        if kind in ("send_act", "send_grad"):
+            tag = (a.stage * 2 + (kind == "send_grad")) * 4096 + a.microbatch
+            sends.append(comm.Isend(payload, dest=a.peer, tag=tag))
+        elif kind in ("recv_act", "recv_grad"):
+            src = a.stage - 1 if kind == "recv_act" else a.stage + 1
+            tag = (src * 2 + (kind == "recv_grad")) * 4096 + a.microbatch
+            req = comm.Irecv(np.empty(shape, np.float32), source=a.peer, tag=tag)
+            while not req.Test():
+                pass
+    MPI.Request.Waitall(sends)
+    return time.perf_counter() - start
+
+
+def floors(rt: Any, actions: Any, inputs: Any, m: int, shape: tuple[int, int],
+           steps: int) -> tuple[float, float]:
+    """Median step seconds (slowest rank) of ``actions`` with no compute: through the runtime
+    ``rt`` (its stages' sleeps set to 0) and with raw mpi4py (:func:`raw_step`)."""
+    comm, ours, raw = rt.comm, [], []
+    saved = {s: ex.f for s, ex in rt.executors.items()}
+    for ex in rt.executors.values():
+        ex.f = 0.0
+    for _ in range(4 * steps + 2):
+        comm.barrier()
+        start = time.perf_counter()
+        rt.run(actions, inputs, [0] * m)
+        ours.append(time.perf_counter() - start)
+        raw.append(raw_step(comm.comm, actions, shape))
+    for s, f in saved.items():
+        rt.executors[s].f = f
+    slowest = comm.allgather_object((statistics.median(ours[2:]), statistics.median(raw[2:])))
+    return max(x[0] for x in slowest), max(x[1] for x in slowest)
 
 
 def sleeping(world: Any, grid: list[int], steps: int, total: float) -> list[dict[str, Any]]:
@@ -142,11 +189,13 @@ def sleeping(world: Any, grid: list[int], steps: int, total: float) -> list[dict
                 if it:
                     samples.append((1 - sum(e[1] for e in everyone) / (p * max(e[0] for e in everyone)),
                                     everyone))
+            ours, raw = floors(rt, actions, inputs, m, shape, steps)
             rt.close()
             bubble, everyone = sorted(samples, key=lambda b: b[0])[len(samples) // 2]
             rows.append({"schedule": schedule, "microbatches": m, "total_s": total,
                          "step_s": max(e[0] for e in everyone), "bubble_measured": bubble,
                          "bubble_theory": theory(schedule, p, m, v),
+                         "no_compute_s": ours, "no_compute_raw_mpi_s": raw,
                          "per_rank": [{"compute_s": e[1], "send_s": e[2], "wait_s": e[3],
                                        "other_s": e[0] - e[1] - e[2] - e[3]} for e in everyone]})
     return rows
@@ -244,9 +293,11 @@ def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int,
                     for q in r["per_rank"])] for r in rows])
     sleep_table = md_table(
         ["schedule", "M", "step ms", "bubble measured", "bubble theory", "measured / theory",
+         "theory's idle ms", "no compute ms: runtime / raw mpi4py",
          "compute / send / wait / other ms per rank"],
         [[r["schedule"], r["microbatches"], f"{1e3 * r['step_s']:.1f}", f"{r['bubble_measured']:.3f}",
           f"{r['bubble_theory']:.3f}", f"{r['bubble_measured'] / r['bubble_theory']:.2f}",
+          f"{1e3 * idle(r):.2f}", f"{1e3 * r['no_compute_s']:.2f} / {1e3 * r['no_compute_raw_mpi_s']:.2f}",
           "; ".join(f"{1e3 * q['compute_s']:.1f} / {1e3 * q['send_s']:.1f} / {1e3 * q['wait_s']:.1f} / "
                     f"{1e3 * q['other_s']:.1f}" for q in r["per_rank"])] for r in sleep_rows])
     markdown = (
@@ -264,11 +315,22 @@ def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int,
         f"shapes travel). The bubble is measured as above, from the runtime's timers (a sleep's "
         f"overshoot, about 0.1 ms on this VM, counts as compute); beyond theory it is the runtime's "
         f"and the messages' cost plus the wake-up latency, whatever CPU the compute would get. "
-        f"Other = the runtime's own bookkeeping (posting receives, reaping sends).\n\n{sleep_table}")
+        f"Other = the runtime's own bookkeeping (posting receives, reaping sends). Theory's idle = the "
+        f"time each rank idles per step in theory; no compute = the same schedule with stages that "
+        f"return at once, through the runtime and with raw mpi4py (each message posted when its "
+        f"action comes, receives polled): what the messages alone cost a step. Within 1.15x of "
+        f"theory, a step may spend 0.15 x theory's idle on them.\n\n{sleep_table}")
     write_results(args.out, "pipeline", rows, markdown,
                   meta=meta(quick=args.quick, width=width, blocks=layers, model="torch MLP",
                             link=where(args, p).strip(" ,") or "shared memory (one host)",
                             versions=versions(), memory=mem), sleeping=sleep_rows)
+
+
+def idle(row: dict[str, Any]) -> float:
+    """Seconds each rank idles per step in theory: the bubble fraction of a step whose
+    ranks compute ``total_s`` each (``b / (1 - b)`` of it)."""
+    b = row["bubble_theory"]
+    return float(row["total_s"] * b / (1 - b))
 
 
 def where(args: Any, ranks: int) -> str:

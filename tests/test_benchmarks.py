@@ -200,6 +200,11 @@ def test_pipeline_benchmark_has_every_row(pipeline_results: tuple[Path, dict[str
         assert r["stages"] == 2 and r["samples_per_s"] > 0
         assert 0 <= r["bubble_theory"] < 1 and r["bubble_theory"] == pytest.approx(r["bubble_simulated"])
         assert 1 <= r["peak_live_measured"] and r["peak_live_measured"] == r["peak_live_simulated"]
+    # the runtime alone (sleeping stages), with its floors: the same schedule without compute
+    assert {(r["schedule"], r["microbatches"]) for r in data["sleeping"]} == got - {("gpipe", 1),
+                                                                                  ("1f1b", 1)}
+    for r in data["sleeping"]:
+        assert r["no_compute_s"] > 0 and r["no_compute_raw_mpi_s"] > 0
 
 
 def test_tensor_benchmark_has_every_row(tmp_path: Path) -> None:
