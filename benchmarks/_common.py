@@ -147,6 +147,8 @@ def launch_on_hosts(hosts: Any, script: str, args: argparse.Namespace, worker: s
             *forward]
     proc = hosts.exec(hosts.hosts[0], argv, timeout=args.timeout, env=full)
     sys.stdout.write(proc.stdout)
+    # plait's own notes (e.g. the bucket size it tuned), which launch() shows as they come
+    sys.stdout.writelines(line + "\n" for line in proc.stderr.splitlines() if line.startswith("plait:"))
     if proc.returncode:
         sys.stderr.write(proc.stderr[-4000:])
     return int(proc.returncode)
