@@ -154,9 +154,9 @@ class _P2P(_Request):
     tested (a message longer than the receive buffer) is kept for ``wait`` instead of
     escaping into the progress thread."""
 
-    def __init__(self, req: Any) -> None:
+    def __init__(self, req: Any, status: Any = None) -> None:
         super().__init__(req)
-        self.status = MPI.Status()
+        self.status = status  # filled by the test that completes it (a receive's; a send's is not read)
         self.error: Exception | None = None
 
     def progress(self) -> bool:
@@ -973,10 +973,12 @@ class MPICommunicator(CommunicatorBase):
         """
         self._validate_rank("dest", dest)
         ops = self._ops(tensor, "send")
-        data = _flat_bytes(ops.to_numpy(tensor))
-        req = _P2P(self.comm.Isend(data, dest=dest, tag=tag))
+        data = ops.to_numpy(tensor)
+        if not data.flags.c_contiguous:  # MPI reads its bytes as they lie
+            data = np.ascontiguousarray(data)
+        req = _P2P(self.comm.Isend([data, MPI.BYTE], dest=dest, tag=tag))
         return self._point(req, lambda: None, (data, tensor),
-                           f"a send to rank {dest} (tag {tag}) of {data.size} bytes", dest)
+                           f"a send to rank {dest} (tag {tag}) of {data.nbytes} bytes", dest)
 
     def recv_async(self, like: Tensor, source: int, tag: int = 0) -> Handle:
         """Post a receive of a tensor shaped and typed like ``like`` from rank ``source``;
@@ -990,10 +992,11 @@ class MPICommunicator(CommunicatorBase):
         ops = self._ops(like, "recv")
         template = ops.to_numpy(like)
         out = self._pool.empty(template.shape, template.dtype)
-        req = _P2P(self.comm.Irecv(_flat_bytes(out), source=source, tag=tag))
+        status = MPI.Status()
+        req = _P2P(self.comm.Irecv([out, MPI.BYTE], source=source, tag=tag), status)
 
         def finish() -> Tensor:
-            got = "more" if req.error is not None else req.status.Get_count(MPI.BYTE)
+            got = "more" if req.error is not None else status.Get_count(MPI.BYTE)
             if got != template.nbytes:
                 raise MismatchError(
                     f"{self!r}: recv from rank {source} (tag {tag}) expected {template.nbytes} "

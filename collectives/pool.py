@@ -47,7 +47,8 @@ class BufferPool:
     def __init__(self, min_bytes: int | None = None, max_bytes: int = MAX_BYTES) -> None:
         self.min_bytes = MIN_BYTES if min_bytes is None else min_bytes
         self.max_bytes = max_bytes
-        self._by_size: OrderedDict[int, list[np.ndarray]] = OrderedDict()
+        # per size: (buffer, offset of its first ALIGN-aligned byte), oldest first
+        self._by_size: OrderedDict[int, list[tuple[np.ndarray, int]]] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()  # two threads must not take the same free buffer
 
@@ -69,12 +70,13 @@ class BufferPool:
             bases = self._by_size[n] = []
         else:
             self._by_size.move_to_end(n)
-        for i in range(len(bases)):
-            # referred to by the list and by getrefcount's argument only: unused
-            if sys.getrefcount(bases[i]) == 2:
-                return _aligned(bases[i], n).view(dtype).reshape(shape)
+        for entry in bases:
+            # referred to by its tuple and by getrefcount's argument only: unused
+            if sys.getrefcount(entry[0]) == 2:
+                return entry[0][entry[1]:entry[1] + n].view(dtype).reshape(shape)
         base = np.empty(n + ALIGN, dtype=np.uint8)
-        bases.append(base)
+        start = _aligned_start(base)
+        bases.append((base, start))
         self._bytes += n
         if len(bases) > MAX_PER_SIZE:
             bases.pop(0)
@@ -82,11 +84,10 @@ class BufferPool:
         while self._bytes > self.max_bytes and len(self._by_size) > 1:
             size, dropped = self._by_size.popitem(last=False)
             self._bytes -= size * len(dropped)
-        return _aligned(base, n).view(dtype).reshape(shape)
+        return base[start:start + n].view(dtype).reshape(shape)
 
 
-def _aligned(base: np.ndarray, n: int) -> np.ndarray:
-    """The ``n`` bytes of ``base`` that start at a multiple of :data:`ALIGN` (a view,
-    whose own views all name ``base`` as their base)."""
-    start = -base.ctypes.data % ALIGN
-    return base[start:start + n]
+def _aligned_start(base: np.ndarray) -> int:
+    """The offset of the first byte of ``base`` at a multiple of :data:`ALIGN` (computed
+    once per buffer: reading the address costs about 2 us)."""
+    return int(-base.ctypes.data % ALIGN)

@@ -32,7 +32,7 @@ def test_views_and_torch_tensors_keep_a_buffer_in_use() -> None:
     for _ in range(3):
         other = pool.empty(SHAPE, np.dtype(np.float32))
         assert not np.shares_memory(other, held)
-    ids = {id(b) for b in pool._by_size[other.nbytes]}
+    ids = {id(b) for b, _ in pool._by_size[other.nbytes]}
     del row, held, other
     again = pool.empty(SHAPE, np.dtype(np.float32))
     assert id(again.base) in ids  # one of them was free again
