@@ -232,6 +232,8 @@ def main(argv: list[str] | None = None) -> int:
                        hosts.hostfile, *hosts.mpirun_args(), "--bind-to", "none",
                        "--timeout", str(int(args.timeout)), "-x", "PATH", "-x", "PYTHONPATH",
                        "-x", "OMPI_MCA_mpi_yield_when_idle",
+                       # plait's settings (PLAIT_RING_CHUNK_KB, ...), the same on every rank
+                       *[a for k in sorted(os.environ) if k.startswith("PLAIT_") for a in ("-x", k)],
                        sys.executable, str(Path(__file__).resolve()), "--worker", "1",
                        "--out", out, "--kinds", args.kinds, *(["--quick"] if args.quick else []),
                        *(["--smoke"] if args.smoke else [])]
