@@ -124,11 +124,11 @@ def raw_step(comm: Any, actions: Any, shape: tuple[int, int]) -> float:
     for a in actions:
         kind = a.kind.value
         if kind in ("send_act", "send_grad"):
-            tag = (a.stage * 2 + (kind == "send_grad")) * 4096 + a.microbatch
+            tag = (a.stage * 2 + (kind == "send_grad")) * 1024 + a.microbatch  # < 32767 (MPI)
             sends.append(comm.Isend(payload, dest=a.peer, tag=tag))
         elif kind in ("recv_act", "recv_grad"):
             src = a.stage - 1 if kind == "recv_act" else a.stage + 1
-            tag = (src * 2 + (kind == "recv_grad")) * 4096 + a.microbatch
+            tag = (src * 2 + (kind == "recv_grad")) * 1024 + a.microbatch
             req = comm.Irecv(np.empty(shape, np.float32), source=a.peer, tag=tag)
             while not req.Test():
                 pass
