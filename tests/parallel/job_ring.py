@@ -177,3 +177,38 @@ def test_broadcast_from_every_root_at_odd_sizes(comm, dtype):
             x = as_dtype(data(comm.rank, dtype, n), dtype)
             out = comm.broadcast(x, root=root)
             close(out, data(root, dtype, n), dtype)
+
+
+def test_alltoall_where_some_ranks_parts_fit_the_header_and_others_do_not(comm):
+    """Rank 0 sends one row to each rank (its data fits the header), the others 200 rows
+    each (theirs does not): every rank must take the same second round."""
+    n = 1 if comm.rank == 0 else 200
+    x = np.arange(n * comm.size * 2, dtype=np.float64).reshape(-1, 2) + 1000 * comm.rank
+    out, received = comm.alltoall(x, splits=[n] * comm.size)
+    assert received == [1 if s == 0 else 200 for s in range(comm.size)]
+    want = [(np.arange((1 if s == 0 else 200) * comm.size * 2, dtype=np.float64).reshape(-1, 2)
+             + 1000 * s)[comm.rank * (1 if s == 0 else 200):(comm.rank + 1) * (1 if s == 0 else 200)]
+            for s in range(comm.size)]
+    np.testing.assert_array_equal(out, np.concatenate(want))
+
+
+@pytest.mark.parametrize("n", [3, 5000])
+def test_every_async_collective_in_flight_at_once_waited_in_reverse(comm, n):
+    """The asynchronous forms (driven by the progress thread) next to one another: small
+    ones travel in the header, larger ones move while the others are started."""
+    rank, size = comm.rank, comm.size
+    x = np.full((size * n, 2), rank + 1, dtype=np.float32)
+    handles = [comm.allgather_async(x[: rank + 1]), comm.broadcast_async(x + 1, root=size - 1),
+               comm.alltoall_async(x), comm.reducescatter_async(x, op="sum"),
+               comm.allreduce_async(x, op="sum")]
+    got = [h.wait() for h in reversed(handles)][::-1]
+    np.testing.assert_array_equal(
+        got[0], np.concatenate([np.full((r + 1, 2), r + 1, np.float32) for r in range(size)]))
+    np.testing.assert_array_equal(got[1], np.full((size * n, 2), size + 1, np.float32))
+    out, received = got[2]
+    assert received == [n] * size
+    np.testing.assert_array_equal(out, np.repeat(np.arange(1, size + 1, dtype=np.float32), n)[:, None]
+                                  * np.ones((1, 2), np.float32))
+    total = size * (size + 1) / 2
+    np.testing.assert_array_equal(got[3], np.full((n, 2), total, np.float32))
+    np.testing.assert_array_equal(got[4], np.full((size * n, 2), total, np.float32))
