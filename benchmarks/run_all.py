@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import BENCH_DIR, RESULTS, machine, mpi_env
 
 #: what `make bench` is expected to run (others found in benchmarks/ run too)
-EXPECTED = ["allreduce", "link", "dp_step", "compression", "async_dp", "pipeline", "tensor"]
+EXPECTED = ["allreduce", "collectives", "link", "dp_step", "compression", "async_dp", "pipeline", "tensor"]
 NOT_BENCHMARKS = {"run_all", "_common"}
 
 
@@ -216,6 +216,12 @@ def _summary() -> list[str]:
         for r in small:
             lines.append(f"- allreduce {r['bytes']} B: {r['impl']} overhead vs {r['raw']} = "
                          f"{r['overhead_us']:+.0f} µs (target <= 20 µs)")
+    coll = _load("collectives")
+    if coll:
+        for r in coll.get("rows", []):
+            if r["kind"] != "allreduce" and r["bytes"] <= 4096:
+                lines.append(f"- {r['kind']} {r['bytes']} B on one host: plait-mpi overhead vs "
+                             f"mpi4py = {r['added_us']:+.0f} µs (target <= 20 µs)")
     link = _load("link")
     if link:
         for r in link.get("rows", []):

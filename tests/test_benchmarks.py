@@ -32,6 +32,7 @@ HEADERS = {
     "tensor": "| variant | ranks | params/rank | step (median, s) | step min-max (s) | comm/rank/step "
               "| analytic |",
     "synthetic": "| model | params | backend | img/s per rank | total img/s | step ms | CPU ms/step |",
+    "collectives": "| collective | size | plait-mpi | mpi4py | added µs | time ratio |",
 }
 
 
@@ -91,6 +92,19 @@ def test_allreduce_benchmark_has_every_row(tmp_path):
     assert ("plait-mpi", "mpi4py", 4) in ratio_rows
     assert ("plait-mpi", "plait-mpi-nocheck", 4) in ratio_rows  # the agreement check's cost
     assert data["meta"]["np"] == 2 and data["meta"]["machine"]["cores"] >= 1
+
+
+def test_collectives_benchmark_has_every_row(tmp_path: Path) -> None:
+    """Every collective on one host, plait-mpi next to raw mpi4py, with its spread."""
+    collectives = _module("collectives")
+    data = _run("collectives.py", tmp_path / "coll")
+    got = {(r["kind"], r["bytes"]) for r in data["rows"]}
+    assert got == {(k, s) for k in collectives.KINDS for s in collectives.SMOKE_SIZES}
+    for r in data["rows"]:
+        for impl in collectives.IMPLS:
+            _has_stats(r["latency_us"][impl], 2)
+        assert r["time_ratio"] > 0
+    assert data["meta"]["np"] == 2
 
 
 def test_link_benchmark_has_every_row(tmp_path: Path) -> None:
