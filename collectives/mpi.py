@@ -451,7 +451,8 @@ class MPICommunicator(CommunicatorBase):
         self._poll(self.comm.Iallgather(np.array([data.size], dtype=np.int64), counts),
                    "an object allgather")
         out = np.empty(int(counts.sum()), dtype=np.uint8)
-        self._poll(self.comm.Iallgatherv(data, [out, counts, MPI.BYTE]), "an object allgather")
+        self._poll(self.comm.Iallgatherv([data, MPI.BYTE], [out, counts, MPI.BYTE]),
+                   "an object allgather")
         return out
 
     def _raw_bcast_bytes(self, data: np.ndarray | None, root: int) -> np.ndarray:
