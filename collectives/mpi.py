@@ -32,7 +32,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -75,6 +75,10 @@ _MPI_TYPES = {
 SLOT = 1024
 _HEAD = 24  # digest, one number and the role (see plait.collectives.join), int64 each
 _HEAD_FORMAT = struct.Struct("=3q")  # native int64s, as the rows are read back
+#: In a header's first number, beside the 62-bit digest: this rank asks for the blocking
+#: call (a blocking collective matches only blocking ones, see ``_blocks``).
+_BLOCK = 1 << 62
+_DIGEST = _BLOCK - 1
 #: Seconds a waiter keeps polling (yielding the CPU) after the last sign of progress.
 SPIN_S = 0.05
 _NAP_S = 2e-4
@@ -468,10 +472,11 @@ class MPICommunicator(CommunicatorBase):
             self._header(call, 0, payload, role)
 
     def _header(self, call: Call, number: int = 0, payload: np.ndarray | None = None,
-                role: int = OTHER) -> np.ndarray:
+                role: int = OTHER, block: bool = False) -> np.ndarray:
         """Allgather every rank's call digest, ``number``, ``role`` (what a rank that
-        called :meth:`join` does with this call) and ``payload`` (at most :data:`SLOT`
-        bytes); raise on every rank when the digests differ.
+        called :meth:`join` does with this call), whether it asks for the blocking call
+        (``block``, see :meth:`_blocks`) and ``payload`` (at most :data:`SLOT` bytes);
+        raise on every rank when the digests differ.
 
         Returns:
             One row per rank: ``[digest, number, role]`` as int64, then the payload bytes.
@@ -481,7 +486,7 @@ class MPICommunicator(CommunicatorBase):
                 some ranks joined and this call is not an allreduce.
             CollectiveTimeoutError: when the others do not arrive in time.
         """
-        return self._header_row(call, self._row(call, number, role, payload), role)
+        return self._header_row(call, self._row(call, number, role, payload, block), role)
 
     def _header_row(self, call: Call, row: np.ndarray, role: int) -> np.ndarray:
         """:meth:`_header` of a row made by :meth:`_row`."""
@@ -489,10 +494,13 @@ class MPICommunicator(CommunicatorBase):
         self._poll(req, "a collective")
         return self._header_check(call, rows, role)
 
-    def _row(self, call: Call, number: int, role: int, payload: np.ndarray | None) -> np.ndarray:
-        """This rank's header row: the call's digest, ``number``, ``role``, ``payload``."""
+    def _row(self, call: Call, number: int, role: int, payload: np.ndarray | None,
+             block: bool = False) -> np.ndarray:
+        """This rank's header row: the call's digest (and ``block``), ``number``, ``role``,
+        ``payload``."""
         row = np.zeros(_HEAD + SLOT, dtype=np.uint8)
-        _HEAD_FORMAT.pack_into(row.data, 0, call.digest() if self.check else 0, number, role)
+        digest = call.digest() if self.check else 0
+        _HEAD_FORMAT.pack_into(row.data, 0, digest | _BLOCK if block else digest, number, role)
         if payload is not None:
             row[_HEAD : _HEAD + payload.size] = payload
         return row
@@ -508,7 +516,7 @@ class MPICommunicator(CommunicatorBase):
         # collective passes through; measured ~5 us less per call)
         heads = rows[:, :_HEAD].view(np.int64).tolist()
         joined = [r for r, head in enumerate(heads) if head[2] == JOINED]
-        digests = {head[0] for head in heads if head[2] != JOINED}
+        digests = {head[0] & _DIGEST for head in heads if head[2] != JOINED}
         if self.check and len(digests) > 1:
             raise mismatch(call, self._raw_allgather_bytes,
                            f"the {self.backend} communicator of size {self.size}")
@@ -517,6 +525,14 @@ class MPICommunicator(CommunicatorBase):
                 f"{self!r}: {call.describe()} while rank(s) {joined} have called join(); "
                 "joined ranks only take part in allreduce (contributing zeros), as in Horovod")
         return rows
+
+    def _blocks(self, rows: np.ndarray) -> bool:
+        """Whether every rank that has not joined asked for the blocking call in its header
+        row (``block``). MPI matches a blocking collective only with blocking ones: where
+        one rank waits for an asynchronous collective (Horovod lets ranks mix
+        ``allreduce`` and ``allreduce_async``), all take the nonblocking call."""
+        return all(head[0] & _BLOCK for head in rows[:, :_HEAD].view(np.int64).tolist()
+                   if head[2] != JOINED)
 
     def serve_joined(self, step: Callable[[], Any]) -> int:
         """Register a gradient reducer's step for ranks that joined (see :meth:`join`):
@@ -587,6 +603,8 @@ class MPICommunicator(CommunicatorBase):
                 step()
             elif head[live[0], 2] == ALLREDUCE:
                 r = read(rows[live[0], _HEAD:])
+                if r.blocking and not self._blocks(rows):
+                    r = replace(r, blocking=False)
                 mine = zeros(r)
                 self._allreduce_data(mine, r, None, lambda out: None, mine,
                                      f"allreduce of {r.size} {r.dtype} while joined").wait()
@@ -737,14 +755,16 @@ class MPICommunicator(CommunicatorBase):
             row[_HEAD : _HEAD + buf.nbytes] = _flat_bytes(buf)
             out = self._reduce_rows(self._header_row(call, row, SMALL), buf, plan.combine)
             return Done(ops.from_numpy(self._reduced(out.reshape(buf.shape), op, dtype, ops), tensor))
-        if plan.reduction.blocking or self.check:  # a blocking call: every rank arrived
-            self._header_row(call, plan.row, ALLREDUCE)
+        r = plan.reduction
+        if r.blocking or self.check:  # a blocking call: every rank arrived, and blocks
+            rows = self._header_row(call, plan.row, ALLREDUCE)
+            if r.blocking and not self._blocks(rows):
+                r = replace(r, blocking=False)
 
         def finish(out: np.ndarray) -> Tensor:
             return ops.from_numpy(self._reduced(out.reshape(buf.shape), op, dtype, ops), tensor)
 
-        return self._allreduce_data(buf, plan.reduction, ops, finish, (buf, tensor), plan.what,
-                                    sync)
+        return self._allreduce_data(buf, r, ops, finish, (buf, tensor), plan.what, sync)
 
     def _reduce_rows(self, rows: np.ndarray, buf: np.ndarray, combine: Any) -> np.ndarray:
         """Every rank's tensor like ``buf``, sent as the payload of its header row in
@@ -773,7 +793,7 @@ class MPICommunicator(CommunicatorBase):
             blocking = sync and algorithm == "mpi" and self.tuning.blocks(self.cross_size)
             reduction = Reduction(dtype, buf.size, op, algorithm, blocking)
         row = (self._row(call, 0, SMALL, None) if reduction is None
-               else self._row(call, 0, ALLREDUCE, describe(reduction)))
+               else self._row(call, 0, ALLREDUCE, describe(reduction), reduction.blocking))
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
         plan = self._plans[key] = _Plan(call, row, combiner(dtype, op, ops), reduction,
@@ -824,7 +844,8 @@ class MPICommunicator(CommunicatorBase):
         mine = _flat_bytes(buf)
         # a rank whose rows fit in the slot sends them in the header; when every rank's
         # did (all know all sizes from it), that was the whole allgather
-        rows = self._header(call, buf.shape[0], mine if mine.size <= SLOT else None)
+        want = sync and self.tuning.blocks(self.cross_size)
+        rows = self._header(call, buf.shape[0], mine if mine.size <= SLOT else None, block=want)
         # plain Python on a few numbers (numpy's reductions cost ~3 us each here)
         numbers = rows.view(np.int64)[:, 1].tolist()
         row_bytes = math.prod(buf.shape[1:]) * buf.itemsize
@@ -848,7 +869,7 @@ class MPICommunicator(CommunicatorBase):
         # and against a receive of MPI.BYTE a 1 MiB allgather took 134 instead of 115 us)
         even = len(set(counts)) == 1
         recv = [flat, MPI.BYTE] if even else [flat, counts, MPI.BYTE]
-        if sync and self.tuning.blocks(self.cross_size):
+        if want and self._blocks(rows):
             run = self.comm.Allgather if even else self.comm.Allgatherv
             self._blocking(lambda: run([mine, MPI.BYTE], recv), what)
             return Done(ops.from_numpy(out, tensor))
@@ -876,21 +897,19 @@ class MPICommunicator(CommunicatorBase):
             rows = self._header(call, 0, _flat_bytes(buf) if self.rank == root else None)
             data = np.ascontiguousarray(rows[root, _HEAD : _HEAD + buf.nbytes])
             return Done(ops.from_numpy(data.view(buf.dtype).reshape(buf.shape).copy(), tensor))
-        ring = self.tuning.gather_algorithm(buf.nbytes, self.cross_size) == "ring"
-        block = sync and not ring and self.size > 1 and self.tuning.blocks(self.cross_size)
-        if block:  # the header proves that every rank arrived (also with the check off)
-            self._header(call)
-        else:
-            self._verify(call)
+        self._verify(call)
         out = self._pool.empty(buf.shape, buf.dtype)
         what = call.describe()
-        if block:  # the root sends from its tensor and copies it after (1 MiB: 110 us against
-            # 160 us copied first, raw MPI_Bcast 83 us)
-            mine = np.ascontiguousarray(buf) if self.rank == root else out
-            self._blocking(lambda: self.comm.Bcast([_flat_bytes(mine), MPI.BYTE], root=root), what)
+        ring = self.tuning.gather_algorithm(buf.nbytes, self.cross_size) == "ring"
+        if sync and not ring:  # the root sends from its own tensor and copies it into the
+            # output while the others receive (1 MiB on one host: 95 us; 119 us copied after
+            # a blocking MPI_Bcast, 160 us copied before; raw MPI_Bcast 82 us)
+            src = np.ascontiguousarray(buf) if self.rank == root else out
+            req = self.comm.Ibcast([_flat_bytes(src), MPI.BYTE], root=root)
             if self.rank == root:
-                out[...] = mine
-            return Done(ops.from_numpy(out, tensor))
+                out[...] = src
+            return self._request(req, lambda: ops.from_numpy(out, tensor), (src, buf, tensor),
+                                 what, sync)
         if self.rank == root:
             out[...] = buf
         if ring:
@@ -932,10 +951,13 @@ class MPICommunicator(CommunicatorBase):
         src = _flat_bytes(buf)
         row = math.prod(buf.shape[1:]) * buf.itemsize
         recv: list[int]
+        block = False
         if send.nbytes <= SLOT:  # the splits travel in the header, and the data if it fits
             fits = send.nbytes + src.size <= SLOT
+            want = sync and self.tuning.blocks(self.cross_size)
             rows = self._header(call, 0, np.concatenate([send.view(np.uint8), src]) if fits
-                                else send.view(np.uint8))
+                                else send.view(np.uint8), block=want)
+            block = want and self._blocks(rows)
             theirs = np.ascontiguousarray(rows[:, _HEAD : _HEAD + send.nbytes]).view(
                 np.int64).tolist()
             recv = [t[self.rank] for t in theirs]
@@ -955,7 +977,7 @@ class MPICommunicator(CommunicatorBase):
         dst = _flat_bytes(out)
         so, ro = _offsets([n * row for n in mine]), _offsets([n * row for n in recv])
         what = call.describe()
-        if sync and self.tuning.blocks(self.cross_size):  # every rank sent its splits
+        if block:  # every rank sent its splits and waits for this call
             sc, rc = [n * row for n in mine], [n * row for n in recv]
             self._blocking(lambda: self.comm.Alltoallv([src, sc, so[:-1], MPI.BYTE],
                                                        [dst, rc, ro[:-1], MPI.BYTE]), what)
@@ -1004,11 +1026,10 @@ class MPICommunicator(CommunicatorBase):
             part = part[start : start + rows[self.rank] * row].reshape(shape)
             return Done(ops.from_numpy(self._reduced(part, op, dtype, ops), tensor))
         mpi = self.tuning.reduce_algorithm(buf.nbytes, dtype, self.cross_size) == "mpi"
-        block = sync and mpi and self.tuning.blocks(self.cross_size)
-        if block:  # the header proves that every rank arrived (also with the check off)
-            self._header(call)
-        else:
-            self._verify(call)
+        want = sync and mpi and self.tuning.blocks(self.cross_size)
+        block = False
+        if want or self.check:  # a blocking call: every rank arrived, and blocks
+            block = self._blocks(self._header(call, block=want)) and want
         what = call.describe()
         if not mpi:
             flat = self._pool.empty((buf.size,), buf.dtype)

@@ -93,8 +93,8 @@ comm = MPICommunicator(timeout=2.0)
 x = np.ones(100_000, np.float32)  # above the header's slot: a blocking Allreduce on one host
 assert comm.tuning.blocks(comm.cross_size)
 print(f"first {comm.allreduce(x, 'sum')[0]}", flush=True)
-if comm.rank == 1:  # arrive at the next collective (its header), then stop in its data phase
-    comm._header(Call("allreduce", x.shape, "float32", op="sum", name=None))
+if comm.rank == 1:  # arrive at the next collective (its header, asking to block), then stop
+    comm._header(Call("allreduce", x.shape, "float32", op="sum", name=None), block=True)
     os.kill(os.getpid(), signal.SIGSTOP)
 comm.allreduce(x, "sum")
 print("the stuck allreduce returned", flush=True)

@@ -212,3 +212,27 @@ def test_every_async_collective_in_flight_at_once_waited_in_reverse(comm, n):
     total = size * (size + 1) / 2
     np.testing.assert_array_equal(got[3], np.full((n, 2), total, np.float32))
     np.testing.assert_array_equal(got[4], np.full((size * n, 2), total, np.float32))
+
+
+def test_ranks_may_mix_the_synchronous_and_asynchronous_forms(comm):
+    """As in Horovod, one rank's ``allreduce`` meets another's ``allreduce_async``: MPI
+    matches a blocking collective only with blocking ones, so the ranks agree in the
+    header which call to make (the blocking one only when all wait synchronously)."""
+    rank, size, n = comm.rank, comm.size, 3000
+    x = np.full((size * n, 2), rank + 1, dtype=np.float32)
+    total = size * (size + 1) / 2
+
+    def run(name, *args, **kwargs):
+        if rank == 0:
+            return getattr(comm, name)(*args, **kwargs)
+        return getattr(comm, f"{name}_async")(*args, **kwargs).wait()
+
+    np.testing.assert_array_equal(run("allreduce", x, op="sum"), np.full_like(x, total))
+    np.testing.assert_array_equal(
+        run("allgather", x), np.repeat(np.arange(1, size + 1, dtype=np.float32), size * n)[:, None]
+        * np.ones((1, 2), np.float32))
+    np.testing.assert_array_equal(run("broadcast", x, root=size - 1), np.full_like(x, size))
+    out, received = run("alltoall", x)
+    assert list(received) == [n] * size
+    np.testing.assert_array_equal(out[::n, 0], np.arange(1, size + 1, dtype=np.float32))
+    np.testing.assert_array_equal(run("reducescatter", x, op="sum"), np.full((n, 2), total))
