@@ -6,7 +6,8 @@ agreement check), a number (the rows of an allgather) and up to :data:`SLOT`
 bytes (alltoall splits; the whole tensor of a small allreduce, reducescatter,
 broadcast, allgather or alltoall, which is then finished locally: one message
 round instead of two). The data then moves by Open MPI's collectives (blocking
-calls under a watchdog for synchronous ones on one host, nonblocking otherwise)
+calls under a watchdog for synchronous ones on one host, except broadcast;
+nonblocking otherwise)
 or by plait's pipelined ring (:mod:`plait.collectives.ring`), chosen per message
 by :class:`~plait.collectives.tuning.Tuning` from the size, dtype and host layout.
 float16 and bfloat16 cross the wire at 2 bytes per element and are reduced by
