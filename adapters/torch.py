@@ -131,8 +131,10 @@ class TorchOps:
         return False
 
     def to_numpy(self, x: torch.Tensor) -> np.ndarray:
-        t = x.detach()
-        if t.device.type != "cpu":
+        # every collective passes through: ``is_cpu`` and ``requires_grad`` are cheaper
+        # than ``device.type`` and ``detach()`` (~0.6 us of a small collective)
+        t = x.detach() if x.requires_grad else x
+        if not t.is_cpu:
             t = t.cpu()
         t = t.contiguous()
         if t.dtype == torch.bfloat16:
@@ -146,7 +148,7 @@ class TorchOps:
             t = torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
         else:
             t = torch.from_numpy(a)
-        if like.device.type != "cpu":
+        if not like.is_cpu:
             t = t.to(like.device)
         return t
 
