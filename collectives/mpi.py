@@ -547,7 +547,7 @@ class MPICommunicator(CommunicatorBase):
         ``payload`` one after another (None: none)."""
         row = sig.row.copy()
         if number:
-            _NUMBER.pack_into(row, 8, number)
+            _NUMBER.pack_into(row.data, 8, number)
         at = _HEAD
         for part in payload:
             if part is not None:
