@@ -583,9 +583,9 @@ class MPICommunicator(CommunicatorBase):
         """Whether every rank that has not joined asked for the blocking call in its header
         row (``block``). MPI matches a blocking collective only with blocking ones: where
         one rank waits for an asynchronous collective (Horovod lets ranks mix
-        ``allreduce`` and ``allreduce_async``), all take the nonblocking call."""
-        return all(head[0] & _BLOCK for head in rows.view(np.int64)[:, :3].tolist()
-                   if head[2] != JOINED)
+        ``allreduce`` and ``allreduce_async``), all take the nonblocking call. A joined
+        rank's row always asks (it follows the others)."""
+        return all(first & _BLOCK for first in rows.view(np.int64)[:, 0].tolist())
 
     def serve_joined(self, step: Callable[[], Any]) -> int:
         """Register a gradient reducer's step for ranks that joined (see :meth:`join`):
@@ -641,7 +641,7 @@ class MPICommunicator(CommunicatorBase):
                           "ranks' calls from the agreement check")
         first = 1
         while True:
-            rows = self._header(Call("join", (), "none"), first, role=JOINED)
+            rows = self._header(Call("join", (), "none"), first, role=JOINED, block=True)
             first = 0
             head = rows.view(np.int64)
             live = np.flatnonzero(head[:, 2] != JOINED)
