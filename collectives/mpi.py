@@ -72,7 +72,8 @@ _MPI_TYPES = {
     "int16": MPI.INT16_T, "uint16": MPI.UINT16_T, "int32": MPI.INT32_T, "int64": MPI.INT64_T,
     "bool": MPI.C_BOOL,
 }
-#: Payload bytes the header carries (a small allreduce travels whole in it).
+#: Payload bytes the header carries (a small allreduce travels whole in it); with the
+#: header's fields a multiple of 8 bytes, so that rows read in place as int64s.
 SLOT = 1024
 _HEAD = 24  # digest, one number and the role (see plait.collectives.join), int64 each
 _HEAD_FORMAT = struct.Struct("=3q")  # native int64s, as the rows are read back
@@ -1015,7 +1016,6 @@ class MPICommunicator(CommunicatorBase):
         if send.nbytes <= SLOT:  # the splits travel in the header, and the data if it fits
             fits = send.nbytes + src.size <= SLOT
             rows = self._head(sig, 0, send.view(np.uint8), src if fits else None)
-            block = want and self._blocks(rows)
             # the splits as int64s in place (a row's header and slot are whole int64s)
             theirs = rows.view(np.int64)[:, _HEAD // 8 : _HEAD // 8 + self.size].tolist()
             recv = [t[self.rank] for t in theirs]
@@ -1027,6 +1027,7 @@ class MPICommunicator(CommunicatorBase):
                     dst[to : to + n] = rows[p, at : at + n]
                     to += n
                 return Done((ops.from_numpy(out, tensor), recv))
+            block = want and self._blocks(rows)
         else:
             if self.check:
                 self._head(sig)
