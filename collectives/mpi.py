@@ -167,7 +167,7 @@ class _Plan:
     what: str  # the call, for messages
 
 
-@dataclass(frozen=True)
+@dataclass(eq=False)
 class _Sig:
     """A collective's call signature, with its header row made once (see ``_sig``)."""
 
@@ -175,6 +175,59 @@ class _Sig:
     row: np.ndarray  # the header row: digest (and the block bit), role; number 0, no payload
     role: int
     what: str  # the call, for messages
+    gathered: _Gathered | None = None  # an allgather's last layout (the ranks' rows)
+
+
+@dataclass(frozen=True)
+class _Gathered:
+    """Where an allgather's parts go, for the ranks' numbers of rows ``numbers``."""
+
+    numbers: list[int]
+    counts: list[int]  # bytes from each rank
+    fits: bool  # every rank's part came in the header
+    even: bool  # every part is as long
+    ring: bool  # plait's ring (else Open MPI's allgather)
+
+
+@dataclass(frozen=True)
+class _Scatter:
+    """A reducescatter's call signature, its parts and algorithm (see ``_scatter_plan``)."""
+
+    sig: _Sig
+    rows: list[int]  # slices of the first dimension each rank keeps
+    row: int  # elements per slice
+    shape: tuple[int, ...]  # this rank's part
+    start: int  # the element where this rank's part starts
+    mpi: bool  # Open MPI's reduce-scatter (else plait's ring; unused for small tensors)
+    want: bool  # a synchronous call that would block where every rank asks for it
+    counts: list[int]  # elements each rank keeps
+
+
+@dataclass
+class _Alltoall:
+    """An alltoall's call signature, validated and with its header made once (see
+    ``_alltoall_plan``)."""
+
+    sig: _Sig
+    send: np.ndarray  # the splits as bytes (they travel in the header)
+    row: int  # bytes per slice of the first dimension
+    want: bool  # a synchronous call that would block where every rank asks for it
+    counts: list[int]  # bytes to each rank
+    offsets: list[int]  # where each rank's part starts (and the end)
+    layout: _Layout | None = None  # the last call's (its ranks' splits are often the same)
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """Where an alltoall's parts arrive, for the ranks' splits ``theirs``."""
+
+    theirs: list[list[int]]  # every rank's splits
+    recv: list[int]  # rows from each rank
+    rows: int  # rows received
+    counts: list[int]  # bytes from each rank
+    offsets: list[int]  # where each rank's part starts (and the end)
+    copies: list[tuple[int, int, int, int]]  # (rank, at, n, to): from the header rows, when
+    # every rank's data travelled in them; else empty
 
 
 class _P2P(_Request):
@@ -241,6 +294,8 @@ class MPICommunicator(CommunicatorBase):
         self._pool = BufferPool()  # outputs, reused once nobody holds them
         self._plans: dict[tuple[Any, ...], _Plan] = {}  # see _allreduce_plan
         self._sigs: dict[tuple[Any, ...], _Sig] = {}  # see _sig
+        self._alltoalls: dict[tuple[Any, ...], _Alltoall] = {}  # see _alltoall_plan
+        self._scatters: dict[tuple[Any, ...], _Scatter] = {}  # see _scatter_plan
         self._watchdog = Watchdog(self._stuck, name=f"plait-watchdog-{self.rank}")
         self._ring_seq = 0
         self._joiners: list[weakref.WeakMethod[Any]] = []  # see serve_joined
@@ -907,26 +962,32 @@ class MPICommunicator(CommunicatorBase):
         rows = self._head(sig, buf.shape[0], mine if mine.size <= SLOT else None)
         # plain Python on a few numbers (numpy's reductions cost ~3 us each here)
         numbers = rows.view(np.int64)[:, 1].tolist()
-        row_bytes = math.prod(buf.shape[1:]) * buf.itemsize
-        counts = [n * row_bytes for n in numbers]
+        g = sig.gathered
+        if g is None or numbers != g.numbers:  # a loop gathers alike: kept from the last call
+            row_bytes = math.prod(buf.shape[1:]) * buf.itemsize
+            counts = [n * row_bytes for n in numbers]
+            g = sig.gathered = _Gathered(numbers, counts, max(counts) <= SLOT,
+                                         len(set(counts)) == 1, self.tuning.gather_algorithm(
+                                             sum(counts), self.cross_size) == "ring")
+        counts = g.counts
         out = self._pool.empty((sum(numbers),) + buf.shape[1:], buf.dtype)
         flat = _flat_bytes(out)
-        if max(counts) <= SLOT:
+        if g.fits:
             at = 0
             for r, n in enumerate(counts):
                 flat[at : at + n] = rows[r, _HEAD : _HEAD + n]
                 at += n
             return Done(ops.from_numpy(out, tensor))
         what = sig.what
-        if self.tuning.gather_algorithm(flat.size, self.cross_size) == "ring":
-            start = sum(counts[: self.rank])
-            flat[start : start + counts[self.rank]] = mine
+        if g.ring:
+            at = sum(counts[: self.rank])
+            flat[at : at + counts[self.rank]] = mine
             return self._start(self._ring(flat, counts, "allgather", None),
                                lambda: ops.from_numpy(out, tensor), (buf, tensor), what, sync)
         # equal parts: MPI_Allgather, faster than MPI_Allgatherv here (1 MiB: 117 against 147
         # us); bytes as MPI.BYTE on both sides (a bare uint8 array goes as MPI_UNSIGNED_CHAR,
         # and against a receive of MPI.BYTE a 1 MiB allgather took 134 instead of 115 us)
-        even = len(set(counts)) == 1
+        even = g.even
         recv = [flat, MPI.BYTE] if even else [flat, counts, MPI.BYTE]
         if want and self._blocks(rows):
             run = self.comm.Allgather if even else self.comm.Allgatherv
@@ -1001,48 +1062,40 @@ class MPICommunicator(CommunicatorBase):
         ops = self._ops(tensor, "alltoall")
         if ops.is_symbolic(tensor):
             return Done(self._graph_alltoall(ops, tensor, splits, name))
-        dtype = ops.dtype_name(tensor)
         buf = ops.to_numpy(tensor)
-        if buf.ndim == 0:
-            raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
-        mine = check_splits(splits, buf.shape[0], self.size)
-        send = np.array(mine, dtype=np.int64)
+        plan = self._alltoall_plan(ops, tensor, buf, splits, name, sync)
+        sig, send = plan.sig, plan.send
         src = _flat_bytes(buf)
-        row = math.prod(buf.shape[1:]) * buf.itemsize
-        recv: list[int]
         block = False
-        want = sync and send.nbytes <= SLOT and self.tuning.blocks(self.cross_size)
-        sig = self._sig("alltoall", buf.shape, dtype, name=name, block=want)
-        if send.nbytes <= SLOT:  # the splits travel in the header, and the data if it fits
-            fits = send.nbytes + src.size <= SLOT
-            rows = self._head(sig, 0, send.view(np.uint8), src if fits else None)
+        if send.size <= SLOT:  # the splits travel in the header, and the data if it fits
+            rows = self._head(sig, 0, send, src if send.size + src.size <= SLOT else None)
             # the splits as int64s in place (a row's header and slot are whole int64s)
             theirs = rows.view(np.int64)[:, _HEAD // 8 : _HEAD // 8 + self.size].tolist()
-            recv = [t[self.rank] for t in theirs]
-            if max(sum(t) for t in theirs) * row + send.nbytes <= SLOT:  # every rank's fit
-                out = self._pool.empty((sum(recv),) + buf.shape[1:], buf.dtype)
-                dst, to = _flat_bytes(out), 0
-                for p, t in enumerate(theirs):  # rank p's part for this rank, in its row
-                    at, n = _HEAD + send.nbytes + sum(t[: self.rank]) * row, t[self.rank] * row
+            layout = plan.layout
+            if layout is None or theirs != layout.theirs:
+                layout = plan.layout = self._alltoall_layout(plan, theirs)
+            if layout.copies:  # every rank's part for this rank came in the header
+                out = self._pool.empty((layout.rows,) + buf.shape[1:], buf.dtype)
+                dst = _flat_bytes(out)
+                for p, at, n, to in layout.copies:
                     dst[to : to + n] = rows[p, at : at + n]
-                    to += n
-                return Done((ops.from_numpy(out, tensor), recv))
-            block = want and self._blocks(rows)
+                return Done((ops.from_numpy(out, tensor), list(layout.recv)))
+            block = plan.want and self._blocks(rows)
         else:
             if self.check:
                 self._head(sig)
             got = np.empty(self.size, dtype=np.int64)
-            self._poll(self.comm.Ialltoall(send, got), sig.what)
-            recv = got.tolist()
-        out = self._pool.empty((sum(recv),) + buf.shape[1:], buf.dtype)
+            self._poll(self.comm.Ialltoall(send.view(np.int64), got), sig.what)
+            layout = self._alltoall_layout(plan, [[n] * self.size for n in got.tolist()])
+        recv, so, ro = layout.recv, plan.offsets, layout.offsets
+        out = self._pool.empty((layout.rows,) + buf.shape[1:], buf.dtype)
         dst = _flat_bytes(out)
-        so, ro = _offsets([n * row for n in mine]), _offsets([n * row for n in recv])
         what = sig.what
         if block:  # every rank sent its splits and waits for this call
-            sc, rc = [n * row for n in mine], [n * row for n in recv]
+            sc, rc = plan.counts, layout.counts
             self._blocking(lambda: self.comm.Alltoallv([src, sc, so[:-1], MPI.BYTE],
                                                        [dst, rc, ro[:-1], MPI.BYTE]), what)
-            return Done((ops.from_numpy(out, tensor), recv))
+            return Done((ops.from_numpy(out, tensor), list(recv)))
         # pairwise: every send and receive posted at once (this rank's own part copied)
         dst[ro[self.rank] : ro[self.rank + 1]] = src[so[self.rank] : so[self.rank + 1]]
         peers = [p for p in range(self.size) if p != self.rank]
@@ -1054,6 +1107,51 @@ class MPICommunicator(CommunicatorBase):
                           MPI.Request.Testsome, self._tags())
         return self._start(engine, lambda: (ops.from_numpy(out, tensor), list(recv)),
                            (buf, tensor), what, sync)
+
+    def _alltoall_plan(self, ops: Any, tensor: Tensor, buf: np.ndarray,
+                       splits: Sequence[int] | None, name: str | None, sync: bool) -> _Alltoall:
+        """An alltoall's validated splits and header, kept per call signature (for the
+        default splits and lists of them; making them anew cost ~4 us of a small one).
+
+        Raises:
+            ConfigError: for a 0-d tensor, or splits that do not fit it and the group.
+        """
+        key = None
+        dtype = ops.dtype_name(tensor)
+        if splits is None or isinstance(splits, (list, tuple)):
+            key = (buf.shape, dtype, name, None if splits is None else tuple(splits),
+                   sync, self.check, ops)
+            plan = self._alltoalls.get(key)
+            if plan is not None:
+                return plan
+        if buf.ndim == 0:
+            raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
+        mine = check_splits(splits, buf.shape[0], self.size)
+        send = np.array(mine, dtype=np.int64).view(np.uint8)
+        want = sync and send.size <= SLOT and self.tuning.blocks(self.cross_size)
+        row = math.prod(buf.shape[1:]) * buf.itemsize
+        counts = [n * row for n in mine]
+        plan = _Alltoall(self._sig("alltoall", buf.shape, dtype, name=name, block=want),
+                         send, row, want, counts, _offsets(counts))
+        if key is not None:
+            if len(self._alltoalls) >= _MAX_PLANS:
+                self._alltoalls.clear()
+            self._alltoalls[key] = plan
+        return plan
+
+    def _alltoall_layout(self, plan: _Alltoall, theirs: list[list[int]]) -> _Layout:
+        """Where this rank's parts of an alltoall arrive, given every rank's splits
+        ``theirs`` (rank ``p``'s ``theirs[p][self.rank]`` rows are for this rank)."""
+        me, row = self.rank, plan.row
+        recv = [t[me] for t in theirs]
+        counts = [n * row for n in recv]
+        offsets = _offsets(counts)
+        copies = []
+        if max(map(sum, theirs)) * row + plan.send.size <= SLOT:  # every rank's data fit
+            for p, t in enumerate(theirs):  # rank p's part for this rank, in its header row
+                copies.append((p, _HEAD + plan.send.size + sum(t[:me]) * row, counts[p],
+                               offsets[p]))
+        return _Layout(theirs, recv, sum(recv), counts, offsets, copies)
 
     def reducescatter_async(self, tensor: Tensor, op: str = "average",
                             name: str | None = None) -> Handle:
@@ -1072,28 +1170,20 @@ class MPICommunicator(CommunicatorBase):
         if graph is not None:
             return graph
         buf = ops.to_numpy(tensor)
-        if buf.ndim == 0:
-            raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
-        rows = reducescatter_counts(buf.shape[0], self.size)
-        row = math.prod(buf.shape[1:])
-        shape = (rows[self.rank],) + buf.shape[1:]
-        start = sum(rows[: self.rank]) * row
+        plan = self._scatter_plan(buf, dtype, op, name, sync)
+        rows, row, shape, start = plan.rows, plan.row, plan.shape, plan.start
         if self.size == 1:  # a group of one (e.g. a process set): its own tensor, reduced
             return Done(ops.from_numpy(self._reduced(buf.copy(), op, dtype, ops), tensor))
         if buf.nbytes <= SLOT:  # one round: every rank's tensor in the header, reduced here
-            heads = self._head(self._sig("reducescatter", buf.shape, dtype, op, name=name), 0,
-                               _flat_bytes(buf))
+            heads = self._head(plan.sig, 0, _flat_bytes(buf))
             part = self._reduce_rows(heads, buf, combiner(dtype, op, ops))
             part = part[start : start + rows[self.rank] * row].reshape(shape)
             return Done(ops.from_numpy(self._reduced(part, op, dtype, ops), tensor))
-        mpi = self.tuning.reduce_algorithm(buf.nbytes, dtype, self.cross_size) == "mpi"
-        want = sync and mpi and self.tuning.blocks(self.cross_size)
         block = False
-        sig = self._sig("reducescatter", buf.shape, dtype, op, name=name, block=want)
-        if want or self.check:  # a blocking call: every rank arrived, and blocks
-            block = self._blocks(self._head(sig)) and want
-        what = sig.what
-        if not mpi:
+        if plan.want or self.check:  # a blocking call: every rank arrived, and blocks
+            block = self._blocks(self._head(plan.sig)) and plan.want
+        what = plan.sig.what
+        if not plan.mpi:
             flat = self._pool.empty((buf.size,), buf.dtype)
 
             def mine() -> Tensor:
@@ -1106,13 +1196,40 @@ class MPICommunicator(CommunicatorBase):
         out = self._pool.empty(shape, buf.dtype)
         mpi_op = _BOOL[op] if dtype == "bool" else _BUILTIN[op]
         send, recv = [buf, _MPI_TYPES[dtype]], [out, _MPI_TYPES[dtype]]
-        counts = [r * row for r in rows]
+        counts = plan.counts
         if block:
             self._blocking(lambda: self.comm.Reduce_scatter(send, recv, counts, mpi_op), what)
             return Done(ops.from_numpy(self._reduced(out, op, dtype, ops), tensor))
         return self._request(self.comm.Ireduce_scatter(send, recv, counts, mpi_op),
                              lambda: ops.from_numpy(self._reduced(out, op, dtype, ops), tensor),
                              (buf, tensor), what, sync)
+
+    def _scatter_plan(self, buf: np.ndarray, dtype: str, op: str, name: str | None,
+                      sync: bool) -> _Scatter:
+        """A reducescatter's parts, algorithm and header, kept per call signature (making
+        them anew cost ~3 us of a small one).
+
+        Raises:
+            ConfigError: for a 0-d tensor.
+        """
+        key = (buf.shape, dtype, op, name, sync, self.check)
+        plan = self._scatters.get(key)
+        if plan is not None:
+            return plan
+        if buf.ndim == 0:
+            raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
+        rows = reducescatter_counts(buf.shape[0], self.size)
+        row = math.prod(buf.shape[1:])
+        mpi = buf.nbytes > SLOT and self.tuning.reduce_algorithm(
+            buf.nbytes, dtype, self.cross_size) == "mpi"
+        want = sync and mpi and self.tuning.blocks(self.cross_size)
+        plan = _Scatter(self._sig("reducescatter", buf.shape, dtype, op, name=name, block=want),
+                        rows, row, (rows[self.rank],) + buf.shape[1:],
+                        sum(rows[: self.rank]) * row, mpi, want, [r * row for r in rows])
+        if len(self._scatters) >= _MAX_PLANS:
+            self._scatters.clear()
+        self._scatters[key] = plan
+        return plan
 
     def barrier(self) -> None:
         """Wait until every rank of the group arrived.

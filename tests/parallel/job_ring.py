@@ -192,6 +192,32 @@ def test_alltoall_where_some_ranks_parts_fit_the_header_and_others_do_not(comm):
     np.testing.assert_array_equal(out, np.concatenate(want))
 
 
+@pytest.mark.parametrize("width", [1, 300])
+def test_alltoall_repeated_while_the_other_ranks_splits_change(comm, width):
+    """Rank 0 makes the same call every time (its layout of the last call is kept); what
+    the others send it changes from one call to the next (in the header, and past it)."""
+    for i in range(4):
+        if comm.rank == 0:
+            splits = [1] * comm.size
+        else:
+            splits = [1 + (i + comm.rank) % 2] + [1] * (comm.size - 1)
+
+        def rows(s: int, i: int = i) -> tuple[np.ndarray, list[int]]:
+            theirs = [1] * comm.size if s == 0 else [1 + (i + s) % 2] + [1] * (comm.size - 1)
+            return (np.arange(sum(theirs) * width, dtype=np.float32).reshape(-1, width)
+                    + 1000 * s + 100 * i), theirs
+
+        x, _ = rows(comm.rank)
+        out, received = comm.alltoall(x, splits=splits)
+        parts = []
+        for s in range(comm.size):
+            whole, theirs = rows(s)
+            start = sum(theirs[: comm.rank])
+            parts.append(whole[start : start + theirs[comm.rank]])
+        assert received == [len(p) for p in parts]
+        np.testing.assert_array_equal(out, np.concatenate(parts))
+
+
 @pytest.mark.parametrize("n", [3, 5000])
 def test_every_async_collective_in_flight_at_once_waited_in_reverse(comm, n):
     """The asynchronous forms (driven by the progress thread) next to one another: small
