@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import BENCH_DIR, RESULTS, machine, mpi_env
 
 #: what `make bench` is expected to run (others found in benchmarks/ run too)
-EXPECTED = ["allreduce", "collectives", "link", "dp_step", "compression", "async_dp", "pipeline", "tensor"]
+EXPECTED = ["allreduce", "collectives", "link", "dp_step", "dp_overhead", "compression", "async_dp",
+            "pipeline", "tensor"]
 NOT_BENCHMARKS = {"run_all", "_common"}
 
 

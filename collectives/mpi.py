@@ -665,10 +665,12 @@ class MPICommunicator(CommunicatorBase):
         Raises (from ``wait()``):
             MismatchError: when another rank made a different call meanwhile.
         """
-        call = Call("reducer step", (), "none")
         if self.size == 1 or not self.check:
             return Done(None)
-        req, rows = self._header_start(call, self._row(call, key, STEP, None))
+        sig = self._sig("reducer step", (), "none", role=STEP)
+        call, row = sig.call, sig.row.copy()
+        _NUMBER.pack_into(row.data, 8, key)
+        req, rows = self._header_start(call, row)
         # not driven by this communicator's progress thread (waking it during backward
         # cost ~0.5 ms a step, measured): MPI moves it inside the buckets' calls
         return Pending(req.Test, lambda: self._poll(req, "the announcement of a gradient "

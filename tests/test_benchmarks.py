@@ -33,6 +33,8 @@ HEADERS = {
               "| analytic |",
     "synthetic": "| model | params | backend | img/s per rank | total img/s | step ms | CPU ms/step |",
     "collectives": "| collective | size | plait-mpi | mpi4py | added µs | time ratio |",
+    "dp_overhead": "| model | params / tensors | impl | step ms | wrapper ms | share of the step "
+                   "| timers ms |",
 }
 
 
@@ -133,6 +135,18 @@ def test_dp_step_benchmark_has_every_row(tmp_path):
             assert 4e6 < r["params"] < 6e6
     assert {(r["framework"], r["impl"]) for r in data["ratios"]} == {
         (f, i) for f in ("torch", "tensorflow") for i in ("plait-mpi", "plait-horovod")}
+
+
+def test_dp_overhead_benchmark_has_every_row(tmp_path: Path) -> None:
+    """The wrapper's own time: both models, both backends, a share of a step that was timed."""
+    data = _run("dp_overhead.py", tmp_path / "dpo")
+    assert {(r["model"], r["impl"]) for r in data["rows"]} == {
+        (m, i) for m in ("mlp", "deep") for i in ("plait-mpi", "plait-horovod")}
+    for r in data["rows"]:
+        _has_stats(r["step_ms"], 2)
+        _has_stats(r["wrapper_ms"], 2)
+        assert 0 < r["share"] < 1 and r["timers_ms"] > 0, r
+    assert {r["tensors"] for r in data["rows"]} == {6, 34}
 
 
 def test_synthetic_benchmark_has_every_row(tmp_path: Path) -> None:
