@@ -117,7 +117,7 @@ def worker(args: Any) -> dict[str, Any]:
     world = MPI.COMM_WORLD
     comms = {"plait-mpi": MPICommunicator(world.Dup()), "plait-horovod": HorovodCommunicator("torch")}
     repeats, steps = (2, 2) if args.smoke else (3, 10) if args.quick else (7, 20)
-    warmup = 2 if args.smoke else 15  # past the bucket-size tuning (4 sizes x 3 steps)
+    warmup = 2 if args.smoke else 20  # past the bucket-size tuning (4 sizes x 4 steps, and one)
     timer_s = _timer_cost(timers)
     out: dict[str, Any] = {"timer_us": timer_s * 1e6, "models": {}}
     for kind, widths in MODELS.items():

@@ -39,7 +39,7 @@ MLP = (784, 2048, 1536, 10)
 PEERS = {"torch": ["horovod", "ddp-gloo"], "tensorflow": ["horovod", "tf-mwms"]}
 PLAIT = ["plait-mpi", "plait-horovod"]
 #: consecutive warm-up steps of every implementation before the timed, interleaved repeats
-WARMUP_STEPS = 15
+WARMUP_STEPS = 20  # past the bucket-size tuning (4 sizes x 4 steps, and one)
 
 
 def _plan(args: Any) -> tuple[int, int, list[str]]:
@@ -57,7 +57,7 @@ def _measure(world: Any, impls: dict[str, Callable[[], None]], args: Any,
 
     repeats, steps, _ = _plan(args)
     # warm up (graph tracing, buffers, connections) with consecutive steps: plait's bucket
-    # autotuning (4 sizes x 3 steps) times whole steps, which the interleaved repeats below
+    # autotuning (4 sizes x 4 steps) times whole steps, which the interleaved repeats below
     # would stretch by the other implementations' time
     warmup = 2 if args.smoke else WARMUP_STEPS
     for name, fn in impls.items():

@@ -345,8 +345,8 @@ def _extra(p: Any) -> None:
     p.add_argument("--backend", default=",".join(BACKENDS),
                    help=f"comma-separated, from {list(BACKENDS)}")
     p.add_argument("--batch-size", type=int, default=32, help="input batch size per rank")
-    p.add_argument("--num-warmup-batches", type=int, default=15,
-                   help="untimed steps (15 cover plait's bucket-size tuning; every backend gets them)")
+    p.add_argument("--num-warmup-batches", type=int, default=20,
+                   help="untimed steps (20 cover plait's bucket-size tuning; every backend gets them)")
     p.add_argument("--num-batches-per-iter", type=int, default=10)
     p.add_argument("--num-iters", type=int, default=10)
     p.add_argument("--rounds", type=int, default=2, help="jobs per backend, interleaved")

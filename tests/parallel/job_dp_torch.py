@@ -78,7 +78,7 @@ OPTIMIZERS = {
 @pytest.mark.parametrize("passes", [1, 2])
 def test_matches_serial_training(comm, opt, bucket_mb, passes, monkeypatch):
     """bucket_mb=None: tuned, three candidates giving three different bucket plans
-    (one gradient each, two buckets, one) tried in steps 1-7, the choice from step 8."""
+    (one gradient each, two buckets, one) tried in steps 1-10, the choice from step 11."""
     monkeypatch.setenv("PLAIT_AUTOTUNE_MB", "0,0.004,25")
     monkeypatch.setenv("PLAIT_AUTOTUNE_STEPS", "1")
     batch = 12 * comm.size
