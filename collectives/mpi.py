@@ -304,6 +304,11 @@ class MPICommunicator(CommunicatorBase):
         self._asked = 0  # timeouts reported so far (the id of each "who is waiting?")
         self._answers: list[Any] = []  # answers in flight
         self._topology()
+        cpus = os.cpu_count() or 1
+        bound = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else cpus
+        # whether the progress thread drives Open MPI's own nonblocking collectives too
+        self._drive_requests = self.tuning.drives_requests(
+            self.cross_size, min(bound, cpus / max(1, self.local_size)))
         # the two levels of the hierarchical allreduce: this host's ranks, and the ranks
         # with this local rank on every host (every rank decides alike: same host list)
         self._local: Any = None
@@ -787,7 +792,9 @@ class MPICommunicator(CommunicatorBase):
         11-21 us to an 8 KiB alltoall or allgather, measured with ``PLAIT_BLOCKING=never``)."""
         with self._lock:
             self._rings.append(engine)
-        if not sync:
+        # Open MPI's own request also moves inside this rank's next MPI call; where no
+        # core is spare, a thread polling it slowed the steps it overlaps (see Tuning)
+        if not sync and (self._drive_requests or not isinstance(engine, _Request)):
             if self._thread is None:
                 self._thread = threading.Thread(target=self._progress_loop, daemon=True,
                                                 name=f"plait-progress-{self.rank}")

@@ -32,6 +32,14 @@ once the header round showed that every rank arrived (over shared memory Open
 MPI's blocking collectives are faster than their nonblocking forms), bounded by a
 watchdog that ends the job if a rank stops in the middle of it; ``never`` keeps
 every collective nonblocking (each wait raises after the timeout).
+
+``PLAIT_PROGRESS`` (``auto``/``always``): a collective started asynchronously (a
+data-parallel bucket during backward) moves only while some thread calls into MPI.
+plait's rings are driven by its progress thread, always. Open MPI's own nonblocking
+collectives also move inside the rank's next MPI call, so with ``auto`` (default) the
+thread drives them only across hosts or where every rank of the host has a core to
+spare for it (2 ranks on 2 cores, a 4.4M-parameter MLP in 32 buckets: 25.5-26.0 ms a
+step with the thread polling them, 22.9-23.3 without); ``always`` drives them everywhere.
 Every rank must use the same settings (``plait run`` forwards ``PLAIT_*``).
 """
 
@@ -96,6 +104,7 @@ class Tuning:
         window: the ring's chunks in flight at once (see :class:`~plait.collectives.ring.Ring`).
         blocking: "auto" (synchronous collectives between ranks of one host are
             blocking MPI calls under a watchdog) or "never".
+        progress: "auto" or "always" (see :meth:`drives_requests`).
     """
 
     allreduce: str = "auto"
@@ -104,12 +113,13 @@ class Tuning:
     ring_min_bytes: int = 64 * 1024
     window: int = 8
     blocking: str = "auto"
+    progress: str = "auto"
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Tuning:
         """Read ``PLAIT_ALLREDUCE`` (unset: Horovod's ``HOROVOD_HIERARCHICAL_ALLREDUCE=1``
         means ``hierarchical``), ``PLAIT_ALLGATHER``, ``PLAIT_RING_CHUNK_KB``,
-        ``PLAIT_RING_MIN_KB``, ``PLAIT_RING_WINDOW`` and ``PLAIT_BLOCKING``.
+        ``PLAIT_RING_MIN_KB``, ``PLAIT_RING_WINDOW``, ``PLAIT_BLOCKING`` and ``PLAIT_PROGRESS``.
 
         Raises:
             ConfigError: for a value outside what the module doc lists.
@@ -123,7 +133,8 @@ class Tuning:
                    _choice(env, "PLAIT_ALLGATHER", ("auto", "ring", "mpi")),
                    _kib(env, "PLAIT_RING_CHUNK_KB", 256), _kib(env, "PLAIT_RING_MIN_KB", 64),
                    _count(env, "PLAIT_RING_WINDOW", 8),
-                   _choice(env, "PLAIT_BLOCKING", ("auto", "never")))
+                   _choice(env, "PLAIT_BLOCKING", ("auto", "never")),
+                   _choice(env, "PLAIT_PROGRESS", ("auto", "always")))
 
     def reduce_algorithm(self, nbytes: int, dtype: str, hosts: int, per_host: int = 1) -> str:
         """"hierarchical", "ring" or "mpi" for an allreduce of ``nbytes``.
@@ -154,8 +165,19 @@ class Tuning:
         (after the header round) in a group spanning ``hosts`` hosts."""
         return self.blocking == "auto" and hosts == 1
 
+    def drives_requests(self, hosts: int, cores_per_rank: float) -> bool:
+        """Whether the progress thread drives Open MPI's own nonblocking collectives (it
+        always drives plait's rings).
+
+        Args:
+            hosts: hosts in the group.
+            cores_per_rank: this host's cores over its ranks (or the cores a rank is
+                bound to, when fewer).
+        """
+        return self.progress == "always" or hosts > 1 or cores_per_rank >= 2
+
     def describe(self) -> str:
         """One line for ``plait info`` and the timeline."""
         return (f"allreduce={self.allreduce} allgather={self.allgather} "
                 f"ring_chunk={self.chunk_bytes // 1024}KiB ring_min={self.ring_min_bytes // 1024}KiB "
-                f"ring_window={self.window} blocking={self.blocking}")
+                f"ring_window={self.window} blocking={self.blocking} progress={self.progress}")

@@ -71,3 +71,16 @@ def test_dropped_candidates_are_never_chosen_and_ties_take_the_first():
     tuner.observe(0.2)
     assert tuner.measured and tuner.medians() == [0.2, float("inf"), 0.2]
     assert tuner.decide(tuner.medians()) == 1
+
+
+def test_the_progress_thread_drives_open_mpis_requests_only_with_a_core_to_spare():
+    """Rings always have the thread; Open MPI's own requests only across hosts, with two
+    cores per rank, or with PLAIT_PROGRESS=always; a bad value names the variable."""
+    auto = Tuning.from_env({})
+    assert not auto.drives_requests(hosts=1, cores_per_rank=1.0)
+    assert auto.drives_requests(hosts=1, cores_per_rank=2.0)
+    assert auto.drives_requests(hosts=2, cores_per_rank=0.5)
+    assert Tuning.from_env({"PLAIT_PROGRESS": "always"}).drives_requests(1, 0.5)
+    assert "progress=auto" in auto.describe()
+    with pytest.raises(ConfigError, match="PLAIT_PROGRESS='never'"):
+        Tuning.from_env({"PLAIT_PROGRESS": "never"})

@@ -245,11 +245,13 @@ def test_sparse_embedding_gradients_are_reduced_dense(comm):
 
 class _SlowInput(torch.autograd.Function):
     """Identity whose backward (the last of the model's backward) first lets every
-    started bucket's collective finish in the background: it only watches, it makes no
-    MPI call, so only the communicator's progress thread can complete them."""
+    started bucket's collective finish in the background (where ``wait``): it only
+    watches, it makes no MPI call, so only the communicator's progress thread can
+    complete them. It records whether nothing was left in flight."""
 
     watch: list[bool] = []
     comms: list = []
+    wait = True
 
     @staticmethod
     def forward(ctx, x):
@@ -261,32 +263,44 @@ class _SlowInput(torch.autograd.Function):
 
         deadline = time.monotonic() + 20
         comms = _SlowInput.comms
-        while any(c._rings for c in comms) and time.monotonic() < deadline:
+        while _SlowInput.wait and any(c._rings for c in comms) and time.monotonic() < deadline:
             time.sleep(0.01)
         _SlowInput.watch.append(not any(c._rings for c in comms))
         return grad
 
 
-def test_buckets_reduce_while_backward_still_runs(comm):
+@pytest.mark.parametrize("progress", ["auto", "always"])
+def test_buckets_reduce_while_backward_still_runs(comm, progress):
     """Overlap, tested structurally: the gradients of the later layers (the first buckets)
-    are reduced before backward reaches the input, with nobody waiting on them. Twice:
-    the first step checks the bucket plan on ``comm``, the second reduces on the
-    reducer's private unchecked communicator."""
+    are started before backward reaches the input, and where the progress thread drives
+    Open MPI's requests (``always``; ``auto`` with two cores per rank, see
+    ``Tuning.drives_requests``) they are reduced then too, with nobody waiting on them;
+    else they are still in flight there (they move inside the rank's next MPI call).
+    Twice: the first step checks the bucket plan, the second reduces on the reducer's
+    private unchecked communicator."""
     if comm.backend != "mpi":
         return  # Horovod's own background thread overlaps; nothing of plait's to test
+    from plait.collectives.mpi import MPICommunicator
+    from plait.collectives.tuning import Tuning
+
+    mine = MPICommunicator(comm.comm.Dup(), tuning=Tuning(progress=progress), timeout=comm.timeout)
+    drives = mine._drive_requests
+    assert drives or progress == "auto"
     torch.manual_seed(0)
     width = 1024  # 4 MiB buckets: each needs many polls of Open MPI's progress engine
     m = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(3)])
-    opt = distributed_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), comm,
+    opt = distributed_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), mine,
                                 m.named_parameters(), bucket_mb=(width + 1) * width * 4 / 2**20)
-    _SlowInput.comms, _SlowInput.watch = [comm], []
+    _SlowInput.comms, _SlowInput.watch, _SlowInput.wait = [mine], [], drives
     x = torch.randn(8, width, requires_grad=True)
     m(_SlowInput.apply(x)).sum().backward()
     opt.step()
     opt.zero_grad()
     fast = opt._plait_reducer._fast
     assert fast is not None and not fast.check  # the plan was checked: the rest runs unchecked
-    _SlowInput.comms = [comm, fast]
+    _SlowInput.comms = [mine, fast]
     m(_SlowInput.apply(x)).sum().backward()
     opt.step()
-    assert _SlowInput.watch == [True, True], "started buckets were not reduced during backward"
+    assert _SlowInput.watch == [drives, drives], (
+        "started buckets were not reduced during backward" if drives
+        else "no bucket was started before backward reached the input")
