@@ -20,6 +20,8 @@ Run: ``python benchmarks/dp_overhead.py [--quick] [--out BASE]``.
 from __future__ import annotations
 
 import collections
+import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -193,17 +195,12 @@ def _markdown(rows: list[dict[str, Any]], m: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(__doc__.splitlines()[0], argv)
     if args.worker:
-        import json
-        import os
-
         res = worker(args)
         if int(os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == 0:
             part = Path(f"{args.out}.part.json")
             part.parent.mkdir(parents=True, exist_ok=True)
             part.write_text(json.dumps({"results": res, "versions": versions()}))
         return 0
-    import json
-
     print(f"dp_overhead: torch on {args.np} ranks{' (quick)' if args.quick else ''}", flush=True)
     rc = launch(__file__, args, worker="torch")
     part = Path(f"{args.out}.part.json")
