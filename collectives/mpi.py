@@ -57,6 +57,7 @@ from .check import Call, mismatch
 from .goodbye import Departures, say_goodbye_at_exit
 from .horovod_wait import HOROVOD_WAIT
 from .join import ALLREDUCE, JOINED, OTHER, SMALL, STEP, Reduction, describe, read, zeros
+from .point import Point
 from .pool import BufferPool
 from .ring import Chain, Exchange, Relay, Ring, combiner, segments
 from .tuning import Tuning
@@ -228,28 +229,6 @@ class _Layout:
     offsets: list[int]  # where each rank's part starts (and the end)
     copies: list[tuple[int, int, int, int]]  # (rank, at, n, to): from the header rows, when
     # every rank's data travelled in them; else empty
-
-
-class _P2P(_Request):
-    """A point-to-point request (``send_async``/``recv_async``); an MPI error while it is
-    tested (a message longer than the receive buffer) is kept for ``wait`` instead of
-    escaping into the progress thread."""
-
-    def __init__(self, req: Any, status: Any = None) -> None:
-        super().__init__(req)
-        self.status = status  # filled by the test that completes it (a receive's; a send's is not read)
-        self.error: Exception | None = None
-
-    def progress(self) -> bool:
-        if not self.complete:
-            try:
-                self.complete = bool(self._req.Test(self.status))
-            except MPI.Exception as exc:
-                self.error, self.complete = exc, True
-            self.moved += self.complete
-        return self.complete
-
-
 
 
 class MPICommunicator(CommunicatorBase):
@@ -1301,12 +1280,11 @@ class MPICommunicator(CommunicatorBase):
         """
         self._validate_rank("dest", dest)
         ops = self._ops(tensor, "send")
-        data = ops.to_numpy(tensor)
+        data = tensor if type(tensor) is np.ndarray else ops.to_numpy(tensor)
         if not data.flags.c_contiguous:  # MPI reads its bytes as they lie
             data = np.ascontiguousarray(data)
-        req = _P2P(self.comm.Isend([data, MPI.BYTE], dest=dest, tag=tag))
-        return self._point(req, lambda: None, (data, tensor),
-                           f"a send to rank {dest} (tag {tag}) of {data.nbytes} bytes", dest)
+        return Point(self, self.comm.Isend([data, MPI.BYTE], dest=dest, tag=tag), dest, tag, data,
+                     tensor, ops)
 
     def recv_async(self, like: Tensor, source: int, tag: int = 0) -> Handle:
         """Post a receive of a tensor shaped and typed like ``like`` from rank ``source``;
@@ -1318,36 +1296,10 @@ class MPICommunicator(CommunicatorBase):
         """
         self._validate_rank("source", source)
         ops = self._ops(like, "recv")
-        template = ops.to_numpy(like)
+        template = like if type(like) is np.ndarray else ops.to_numpy(like)
         out = self._pool.empty(template.shape, template.dtype)
-        status = MPI.Status()
-        req = _P2P(self.comm.Irecv([out, MPI.BYTE], source=source, tag=tag), status)
-
-        def finish() -> Tensor:
-            got = "more" if req.error is not None else status.Get_count(MPI.BYTE)
-            if got != template.nbytes:
-                raise MismatchError(
-                    f"{self!r}: recv from rank {source} (tag {tag}) expected {template.nbytes} "
-                    f"bytes (shape {template.shape}, {ops.dtype_name(like)}) but the message "
-                    f"has {got}")
-            return ops.from_numpy(out, like)
-
-        return self._point(req, finish, (out, like),
-                           f"a recv from rank {source} (tag {tag}) of {template.nbytes} bytes", source)
-
-    def _point(self, req: _P2P, finish: Callable[[], Any], keep: Any, what: str,
-               peer: int) -> Handle:
-        """A handle over a point-to-point request, tested only by its owner (``done``,
-        ``wait``; not by the progress thread: no lock, no thread per message); ``wait()``
-        is bounded by the timeout."""
-
-        def wait() -> None:
-            self._calls += 1
-            seq = self._calls
-            self._wait_until(req.progress, lambda: self._timeout_report(what, seq), seq,
-                             (peer, what))
-
-        return Pending(req.progress, wait, finish, keep, what)
+        return Point(self, self.comm.Irecv([out, MPI.BYTE], source=source, tag=tag), source, tag,
+                     out, like, ops, receive=True)
 
     def _poll_probe(self, source: int, tag: int, status: Any) -> None:
         self._wait_until(lambda: bool(self.comm.Iprobe(source=source, tag=tag, status=status)),

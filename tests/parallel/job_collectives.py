@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from plait.adapters import ops_for
 from plait.collectives.base import reducescatter_counts
 
 from plait.errors import CollectiveTimeoutError, ConfigError, MismatchError
@@ -158,6 +159,31 @@ def test_send_recv_ring(comm, efw):
         got = comm.recv(x, left, tag=7)
         comm.send(x, right, tag=7)
     close(efw.numpy(got), data(left, "float32"), "float32")
+
+
+def test_send_recv_async_ring(comm, efw):
+    """Nonblocking messages around the ring, each receive posted before its send (float32,
+    bfloat16, int64), then a message longer than its posted receive: MismatchError from
+    ``wait`` naming both sizes, and the group still works."""
+    if comm.backend == "horovod" and comm._mpi is None:
+        with pytest.raises(NotImplementedError, match="point-to-point"):
+            comm.send_async(efw.tensor(data(0, "float32")), 0)
+        return
+    right, left = (comm.rank + 1) % comm.size, (comm.rank - 1) % comm.size
+    for tag, dtype in enumerate(("float32", "bfloat16", "int64")):
+        x = efw.tensor(data(comm.rank, dtype), dtype)
+        got = comm.recv_async(x, left, tag=20 + tag)
+        sent = comm.send_async(x, right, tag=20 + tag)
+        out = got.wait()
+        assert got.done() and sent.wait() is None and sent.done()
+        assert ops_for(out).dtype_name(out) == dtype
+        close(efw.numpy(out), data(left, dtype), dtype)
+    got = comm.recv_async(efw.tensor(np.zeros(2), "float32"), left, tag=30)
+    sent = comm.send_async(efw.tensor(np.zeros(3), "float32"), right, tag=30)
+    with pytest.raises(MismatchError, match=f"recv from rank {left} .*expected 8 bytes"):
+        got.wait()
+    sent.wait()
+    assert comm.allgather_object(comm.rank) == list(range(comm.size))
 
 
 def test_split_into_even_and_odd(comm, fw):
