@@ -312,8 +312,10 @@ class _Step:
     def execute(self, inputs: Sequence[Any] | None, targets: Sequence[Any] | None) -> list[float]:
         t0 = time.perf_counter()
         named = bool(Recorder._open)
+        recvs, posted = self.recvs, self.posted
         for i, a in enumerate(self.actions):
-            self._post(i, block=False)
+            if self.next_recv < len(recvs) and (len(posted) < RECV_AHEAD or recvs[self.next_recv] <= i):
+                self._post(i, block=False)  # (the test above spares most calls)
             try:
                 if named:
                     with span(str(a), "pipeline", kind=a.kind.value, stage=a.stage,
