@@ -28,11 +28,21 @@ __all__ = ["broadcast_optimizer_state", "broadcast_parameters", "distributed_opt
            "initialize_optimizer_state"]
 
 
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape``, in elements."""
+    strides, n = [], 1
+    for d in reversed(shape):
+        strides.append(n)
+        n *= max(d, 1)
+    return tuple(reversed(strides))
+
+
 class _Distributed:
     """Mixin placed before the user's optimizer class."""
 
     _plait_reducer: GradientReducer
     _plait_params: dict[str, torch.nn.Parameter]
+    _plait_strides: dict[str, tuple[int, ...]]
     _plait_counts: dict[str, int]
     _plait_zeros: dict[str, int]
     _plait_passes: int
@@ -101,7 +111,7 @@ class _Distributed:
                 return torch.zeros_like(p)
             return p.grad.to_dense() if p.grad.is_sparse else p.grad
 
-        scale = self._plait_predivide
+        scale, strides = self._plait_predivide, self._plait_strides
         fresh = self._plait_reducer.fresh
         with torch.no_grad():
             for specs, fused in self._plait_reducer.finish_buckets(missing):
@@ -111,19 +121,23 @@ class _Distributed:
                     continue
                 if scale != 1.0:
                     fused = fused * scale
-                if len(specs) == 1:  # its own shape, or flat: viewed below (a split of one
-                    parts = [fused]  # took ~16 us of a step)
-                else:
-                    # the method itself: torch.split's Python layers cost ~3 us a bucket
-                    parts = list(fused.reshape(-1).split_with_sizes([s.numel for s in specs]))
                 ps = [params[spec.name] for spec in specs]
                 # a plain allreduce's result, or plait's decompression, is a new tensor (never
                 # the fused buffer), and a pooled one is not reused while .grad views it; one
                 # bucket, one dtype
-                if fresh and fused.dtype == ps[0].dtype and fused.device == ps[0].device:
-                    for p, part, spec in zip(ps, parts, specs):
-                        p.grad = part.view(spec.shape)
+                if (fresh and fused.dtype == ps[0].dtype and fused.device == ps[0].device
+                        and fused.is_contiguous()):
+                    # each .grad a view at its offset, by one kind of call for every bucket:
+                    # the first call of each operation in a step costs ~20 us here (README)
+                    at = fused.storage_offset()
+                    for p, spec in zip(ps, specs):
+                        p.grad = fused.as_strided(spec.shape, strides[spec.name], at)
+                        at += spec.numel
                     continue
+                if len(specs) == 1:  # its own shape, or flat
+                    parts = [fused]
+                else:
+                    parts = list(fused.reshape(-1).split_with_sizes([s.numel for s in specs]))
                 for p, part, spec in zip(ps, parts, specs):
                     grad = part.reshape(spec.shape)
                     if p.grad is None or p.grad.is_sparse or p.grad.dtype != grad.dtype:
@@ -241,6 +255,7 @@ def distributed_optimizer(
                                           fuse=dist._plait_fuse, check_once=True,
                                           zeros=dist._plait_zero_grad, group=True)
     dist._plait_params = dict(named)
+    dist._plait_strides = {spec.name: _contiguous_strides(spec.shape) for spec in specs}
     dist._plait_counts = {n: 0 for n, _ in named}
     dist._plait_zeros = dict(dist._plait_counts)
     dist._plait_passes = backward_passes_per_step
