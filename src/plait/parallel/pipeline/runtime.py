@@ -56,6 +56,8 @@ __all__ = ["MAX_TAG", "RECV_AHEAD", "StageExecutor", "StepStats", "run_schedule"
 MAX_TAG = 32767
 #: Receives posted ahead of the action that consumes them (each holds one buffer).
 RECV_AHEAD = 2
+#: Sends in flight before a compute action forgets the oldest completed ones.
+REAP_AFTER = 4
 _ACT, _GRAD, _HEAD, _NOTICE = 0, 1, 2, 3
 
 
@@ -362,7 +364,8 @@ class _Step:
                 self.acts[(s + 1, mb)] = out
             else:
                 self.outbox[(s, mb)] = out
-            self.wire.reap()
+            if len(self.wire.pending) > REAP_AFTER:
+                self.wire.reap()
         elif a.kind is ActionKind.BACKWARD:
             ex = rt.executor(s)
             g = None if s == self.last else self.grads.pop((s, mb))
@@ -377,7 +380,8 @@ class _Step:
                     self.grads[(s - 1, mb)] = gin
                 else:
                     self.outbox[(s, mb)] = gin
-            self.wire.reap()
+            if len(self.wire.pending) > REAP_AFTER:
+                self.wire.reap()
         elif a.kind is ActionKind.SEND_ACT:
             start = time.perf_counter()
             arr = to_numpy(self.outbox.pop((s, mb)))
