@@ -112,6 +112,31 @@ def _train(model: Any, opt: Any, rank: int, size: int, steps: int, warmup: int) 
             "timed_steps": len(times)}
 
 
+def _alone(comm: Any, steps: int, warmup: int) -> dict[str, float]:
+    """The uncompressed step's two parts apart, the slowest rank's seconds: forward, backward
+    and the SGD step without communication (``compute_s``), and one allreduce of all the
+    gradients at once with nothing else running, float32 and float16 (``allreduce_float32_s``,
+    ``allreduce_float16_s``; median of 3 after one unmeasured)."""
+    import numpy as np
+    import torch
+
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
+    out = {"compute_s": _train(model, opt, comm.rank, comm.size, steps, warmup)["step_s"]}
+    n = sum(p.numel() for p in model.parameters())
+    for dtype in ("float32", "float16"):
+        flat = torch.zeros(n, dtype=getattr(torch, dtype))
+        times = []
+        for _ in range(4):
+            comm.barrier()
+            t0 = time.perf_counter()
+            comm.allreduce(flat, name=f"alone.{dtype}")
+            times.append(time.perf_counter() - t0)
+        out[f"allreduce_{dtype}_s"] = float(np.median(times[1:]))
+    everyone = comm.allgather_object(out)
+    return {k: max(e[k] for e in everyone) for k in out}
+
+
 def _worker(args: Any) -> None:
     import torch
     from mpi4py import MPI
@@ -128,6 +153,11 @@ def _worker(args: Any) -> None:
     names = QUICK if args.quick else tuple(PLAIT)
     if args.only:
         names = tuple(n for n in PLAIT if n == "none" or n in args.only.split(","))  # none: the baseline
+    alone = _alone(comm, steps, warmup)
+    if comm.rank == 0:
+        print(f"alone: compute {alone['compute_s'] * 1e3:.1f} ms, allreduce of all gradients "
+              f"{alone['allreduce_float32_s'] * 1e3:.1f} ms (float16 "
+              f"{alone['allreduce_float16_s'] * 1e3:.1f} ms)", flush=True)
     rows: list[dict[str, Any]] = []
     for name in names:
         expr, ef = PLAIT[name]
@@ -171,7 +201,7 @@ def _worker(args: Any) -> None:
         _report(comm, row, rows)
     dist.destroy_process_group()
     if comm.rank == 0:
-        _write(args, rows, steps, warmup, comm.size)
+        _write(args, rows, steps, warmup, comm.size, alone)
 
 
 def _report(comm: Any, row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
@@ -185,7 +215,27 @@ def _report(comm: Any, row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
               flush=True)
 
 
-def _write(args: Any, rows: list[dict[str, Any]], steps: int, warmup: int, size: int) -> None:
+def _overlap(rows: list[dict[str, Any]], alone: dict[str, float]) -> str:
+    """How far the uncompressed and fp16 steps are from overlapping compute and communication
+    fully: step / max(compute, allreduce) (the goal: <= 1.1)."""
+    lines = []
+    for name, dtype in (("none", "float32"), ("fp16", "float16"), ("ddp none", "float32")):
+        r = next((r for r in rows if r["name"] == name), None)
+        if r is None:
+            continue
+        bound = max(alone["compute_s"], alone[f"allreduce_{dtype}_s"])
+        r["overlap"] = r["step_s"] / bound
+        lines.append(f"- {name}: {r['step_s'] * 1e3:.0f} ms a step = {r['overlap']:.2f}x "
+                     f"max(compute, allreduce {dtype}) = {bound * 1e3:.0f} ms")
+    return ("\nOverlap: the step's parts apart, the slowest rank's: forward + backward + SGD step "
+            f"without communication {alone['compute_s'] * 1e3:.0f} ms; one plait allreduce of all "
+            f"the gradients at once {alone['allreduce_float32_s'] * 1e3:.0f} ms (float16: "
+            f"{alone['allreduce_float16_s'] * 1e3:.0f} ms). Goal: step <= 1.1x the larger.\n\n"
+            + "\n".join(lines) + "\n")
+
+
+def _write(args: Any, rows: list[dict[str, Any]], steps: int, warmup: int, size: int,
+           alone: dict[str, float]) -> None:
     base = {r["kind"]: r for r in rows if r["name"] in ("none", "ddp none")}
     table = []
     for r in rows:
@@ -219,10 +269,10 @@ def _write(args: Any, rows: list[dict[str, Any]], steps: int, warmup: int, size:
           f"a ring allreduce). {load_note()}.\n\n"
           + md_table(["backend", "compression", "ms/step", "speedup", "wire MiB/step", "ratio",
                       "tx MiB/step", "accuracy %", "vs uncompressed"], table)
-          + "\n" + "\n".join(targets) + "\n")
+          + "\n" + "\n".join(targets) + "\n" + _overlap(rows, alone))
     write_results(args.out, "compression", rows, md,
                   meta=meta(quick=args.quick, rate=args.rate, params=params, steps=steps, warmup=warmup,
-                            versions=versions()))
+                            versions=versions(), alone=alone))
 
 
 # -- outside: the link and the job ------------------------------------------------------------------
