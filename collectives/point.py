@@ -43,7 +43,7 @@ class Point:
     """
 
     __slots__ = ("_comm", "_req", "peer", "tag", "_data", "_keep", "_ops", "_status", "error",
-                 "complete", "moved", "_result", "_finished")
+                 "complete", "_result", "_finished")
 
     def __init__(self, comm: MPICommunicator, req: Any, peer: int, tag: int, data: np.ndarray,
                  keep: Any, ops: TensorOps, receive: bool = False) -> None:
@@ -53,7 +53,6 @@ class Point:
         self._status = MPI.Status() if receive else None
         self.error: Exception | None = None
         self.complete = False
-        self.moved = 0
         self._result: Any = None
         self._finished = False
 
@@ -71,7 +70,6 @@ class Point:
                 self.complete = bool(self._req.Test(self._status))
             except MPI.Exception as exc:
                 self.error, self.complete = exc, True
-            self.moved += self.complete
         return self.complete
 
     def done(self) -> bool:
