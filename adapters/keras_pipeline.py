@@ -24,6 +24,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import keras
+import numpy as np
 import tensorflow as tf
 
 from plait.parallel.pipeline.errors import PartitionError, PipelineTypeError
@@ -146,10 +147,34 @@ def layer_times(layers: Sequence[keras.layers.Layer], sample: Any, repeats: int 
     return times
 
 
-def _run(layers: Sequence[keras.layers.Layer], x: Any, training: bool) -> Any:
-    for layer in layers:
+def _run(layers: Sequence[keras.layers.Layer], x: Any, training: bool,
+         between: Callable[[Any], Any] | None = None) -> Any:
+    for i, layer in enumerate(layers):
+        if i and between is not None:
+            x = between(x)
         x = layer(x, training=training)
     return x
+
+
+def _poker(progress: Callable[[], None]) -> Callable[[Any], Any]:
+    """An identity for traced code that calls ``progress()`` on the host once its input is
+    computed, before anything uses it, and once its upstream gradient is, in backward:
+    between two layers of a traced chunk, it lets the pipeline's messages move."""
+    def host() -> np.ndarray:
+        progress()
+        return np.zeros((), np.int32)
+
+    def after(t: Any) -> Any:
+        with tf.control_dependencies([t]):
+            done = tf.numpy_function(host, [], Tout=tf.int32, stateful=True)
+        with tf.control_dependencies([done]):
+            return tf.identity(t)
+
+    @tf.custom_gradient
+    def poke(x: Any) -> Any:
+        return after(x), after
+
+    return poke
 
 
 class KerasStage:
@@ -176,9 +201,27 @@ class KerasStage:
         self.acc: list[Any] = [None] * len(self.variables)
         self.saved: dict[int, tuple[Any, ...]] = {}
         self.seeds = seed_generators(self.layers)
-        # The chunk's layers as one traced function: the tape records a single call op
-        # (and its gradient is a traced function too) instead of every eager op.
-        self._train_fn = tf.function(lambda x: _run(self.layers, x, True), reduce_retracing=True)
+        self._progress: Callable[[], None] | None = None
+        self._train_fn = self._traced()
+
+    def _traced(self) -> Callable[[Any], Any]:
+        """The chunk's layers as one traced function: the tape records a single call op
+        (and its gradient is a traced function too) instead of every eager op."""
+        between = None if self._progress is None else _poker(self._progress)
+        return tf.function(lambda x: _run(self.layers, x, True, between),  # type: ignore[no-any-return]
+                           reduce_retracing=True)
+
+    @property
+    def progress(self) -> Callable[[], None] | None:
+        """Set by the runtime where the pipeline crosses hosts: lets messages in flight move.
+        The traced chunk calls it between its layers, in forward and in backward (a host
+        call each: a message posted before the chunk's compute moves during it)."""
+        return self._progress
+
+    @progress.setter
+    def progress(self, fn: Callable[[], None] | None) -> None:
+        self._progress = fn
+        self._train_fn = self._traced()
 
     def _record(self, x: Any, target: Any) -> tuple[Any, Any]:
         tape = tf.GradientTape()

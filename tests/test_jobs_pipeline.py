@@ -2,8 +2,9 @@
 
 np=2: every schedule x framework against the serial model, balance modes,
 activation recomputation, predict, the Horovod backend and the errors;
-np=3: every schedule on three stages, a bad batch given only to the end stages
-(the middle stage must raise too, not hang) and the timeline of one step;
+np=3: every schedule on three stages, stages that let messages move, a bad batch
+given only to the end stages (the middle stage must raise too, not hang) and the
+timeline of one step;
 np=4: a dp=2 x pp=2 mesh, and a pp=2 x tp=2 mesh with TensorParallel stages (torch, Keras).
 """
 
@@ -30,7 +31,7 @@ def test_pipeline_job_passes_on_every_rank(np, select):
 
 def test_three_stage_job_and_its_timeline(tmp_path):
     path = tmp_path / "pipeline.json"
-    select = "every_schedule or end_stages or timeline"
+    select = "every_schedule or end_stages or timeline or messages_move"
     result = run_job("mpirun", 3, pytest_argv("job_pipeline.py", "-k", select), timeout=600,
                      env={"PLAIT_TIMELINE": str(path)})
     assert result.returncode == 0, result.tail(120)

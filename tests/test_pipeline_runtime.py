@@ -119,6 +119,41 @@ def test_torch_stage_lets_messages_move_between_layers_without_changing_gradient
         torch.testing.assert_close(a, b)
 
 
+@pytest.mark.parametrize("checkpoint", [False, True])
+def test_keras_stage_lets_messages_move_between_layers_without_changing_gradients(checkpoint):
+    """The Keras stage's traced chunk calls ``progress`` between its layers in forward and in
+    backward (recomputation included), and computes what it computes without."""
+    keras = pytest.importorskip("keras")
+    import tensorflow as tf
+    from plait.adapters.keras_pipeline import KerasStage
+
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(6, activation="tanh"), keras.layers.Dropout(0.3, seed=3),
+              keras.layers.Dense(3)]
+    x, g = tf.random.normal((5, 6), seed=1), tf.random.normal((5, 3), seed=2)
+    keras.Sequential(layers).build((None, 6))
+    results, calls = [], []
+    for poke in (None, lambda: calls.append(1)):
+        stage = KerasStage(layers, first=False, last=False, loss_fn=None, scale=1.0,
+                           checkpoint=checkpoint)
+        stage.progress = poke
+        rng = stage._rng()
+        out = stage.forward(0, x)
+        forward_calls = len(calls)
+        gin = stage.backward(0, g)
+        stage._set_rng(rng)  # the second stage draws the same dropout mask
+        results.append((out, gin, list(stage.acc)))
+    assert forward_calls == len(layers) - 1
+    # backward: one call per gradient between layers, and the recompute's forward calls
+    assert len(calls) == 2 * (len(layers) - 1) + (len(layers) - 1 if checkpoint else 0)
+    (out0, gin0, grads0), (out1, gin1, grads1) = results
+    # float32 round-off only: the traced graphs differ (no op fused across a host call)
+    np.testing.assert_allclose(out1, out0, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(gin1, gin0, rtol=1e-5, atol=1e-6)
+    for a, b in zip(grads1, grads0, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
 def test_spans_hosts_from_host_names_then_cross_size_and_true_when_unknown():
     assert not spans_hosts(SimpleNamespace(host_names=["a", "a"], cross_size=2))
     assert spans_hosts(SimpleNamespace(host_names=["a", "b"], cross_size=1))

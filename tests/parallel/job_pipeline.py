@@ -199,6 +199,18 @@ def test_every_schedule_matches_serial(comm, framework):
         train_and_compare(framework, pipe)
 
 
+@pytest.mark.parametrize("framework", FRAMEWORKS)
+def test_stages_letting_messages_move_match_serial(comm, framework):
+    """What the runtime sets up where the pipeline crosses hosts (tests/test_multihost.py runs
+    it there for torch): the stages test the messages in flight between their layers (Keras:
+    from host calls inside the traced chunk, on TensorFlow's threads)."""
+    pipe = make_pipeline(framework, comm, microbatches=2 * comm.size, schedule="gpipe")
+    pipe.runtime.wire.crosses_hosts = True
+    for ex in pipe.executors.values():
+        ex.progress = pipe.runtime.wire.progress
+    train_and_compare(framework, pipe)
+
+
 def test_horovod_backend_matches_serial():
     """Horovod communicator: p2p through its MPI side, loss broadcast through Horovod."""
     hvd = make_comm("horovod")
