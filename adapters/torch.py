@@ -93,6 +93,10 @@ def _at_least(a: np.ndarray, threshold: float, magnitude: bool, chunk: int = 1 <
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
+#: Bytes of output :meth:`TorchOps.matmul_pooled` computes per product.
+_BAND_BYTES = 1 << 21
+
+
 def pooled_empty(pool: Any, numel: int, dtype: torch.dtype) -> torch.Tensor:
     """A flat CPU tensor of ``numel`` elements of ``dtype`` on a buffer of ``pool`` (a
     :class:`~plait.collectives.pool.BufferPool`): a reused buffer has no first-touch page
@@ -268,14 +272,26 @@ class TorchOps:
         return acc.add_(x, alpha=b)
 
     def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """``a @ b``; a tall, narrow product of 2-d CPU tensors (PowerSGD's ``M Q``) as
+        ``(b^T a^T)^T`` (views, no copy): torch's CPU BLAS here took 13 ms for a 4096 x
+        2560 by 2560 x 4 product, 4.8 ms that way (single thread)."""
+        if a.dim() == 2 and b.dim() == 2 and 8 * b.shape[1] <= a.shape[0] and a.is_cpu:
+            return (b.t() @ a.t()).t().contiguous()
         return a @ b
 
     def matmul_pooled(self, a: torch.Tensor, b: torch.Tensor, pool: Any) -> torch.Tensor:
-        """``a @ b`` (2-d) into a buffer of ``pool`` on the CPU (see :meth:`cast_pooled`)."""
+        """``a @ b`` (2-d) into a buffer of ``pool`` on the CPU (see :meth:`cast_pooled`),
+        a band of rows at a time (about 2 MB of the output each: PowerSGD's ``P Q^T`` of
+        4096 x 2560 took 8.6 ms in one product here, 4.7-5.2 ms in bands)."""
         if a.device.type != "cpu" or a.dim() != 2 or b.dim() != 2 or a.dtype != b.dtype:
             return a @ b
         out = pooled_empty(pool, a.shape[0] * b.shape[1], a.dtype).view(a.shape[0], b.shape[1])
-        return torch.matmul(a, b, out=out)
+        rows = max(1, _BAND_BYTES // max(1, b.shape[1] * a.element_size()))
+        if rows >= a.shape[0]:
+            return torch.matmul(a, b, out=out)
+        for i in range(0, a.shape[0], rows):
+            torch.mm(a[i:i + rows], b, out=out[i:i + rows])
+        return out
 
     def qr(self, x: torch.Tensor) -> torch.Tensor:
         q, _ = torch.linalg.qr(x)
