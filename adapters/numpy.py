@@ -141,6 +141,11 @@ class NumpyOps:
     def uniform(self, shape: Sequence[int], seed: int, like: Any) -> np.ndarray:
         return np.random.default_rng(seed).random(tuple(shape), dtype=np.float32)
 
+    def choose(self, n: int, k: int, seed: int, like: Any) -> np.ndarray:
+        """``k`` distinct positions out of ``n`` (int64, increasing), drawn uniformly from
+        ``seed``: the same on every rank given the same seed."""
+        return np.sort(np.random.default_rng(seed).choice(n, k, replace=False))
+
     def random_round(self, x: Any, scale: Any, seed: int, code: str) -> np.ndarray:
         flat = np.asarray(x).reshape(-1)
         s = flat.dtype.type(np.asarray(scale).reshape(-1)[0])

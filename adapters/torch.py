@@ -308,6 +308,12 @@ class TorchOps:
         gen.manual_seed(int(seed))
         return torch.rand(tuple(shape), generator=gen, device=like.device, dtype=torch.float32)
 
+    def choose(self, n: int, k: int, seed: int, like: torch.Tensor) -> torch.Tensor:
+        """``k`` distinct positions out of ``n`` (int64, increasing, on ``like``'s device),
+        drawn uniformly from ``seed`` by numpy (10.8M elements, k = 1%: 7 ms, where the
+        top k of ``n`` uniform numbers took 66 ms)."""
+        return torch.from_numpy(_NUMPY.choose(n, k, seed, None)).to(like.device)
+
     def random_round(self, x: torch.Tensor, scale: Any, seed: int, code: str) -> torch.Tensor:
         flat = x.reshape(-1)
         host = flat.device.type == "cpu" and flat.dtype in (torch.float32, torch.float64)

@@ -250,6 +250,23 @@ def test_stochastic_compressors_are_unbiased(fw, kind):
     assert not np.allclose(single, x)  # each draw is lossy; only the mean is exact
 
 
+def test_randomk_positions_are_distinct_increasing_and_shared_by_seed():
+    """numpy and torch draw the k positions directly (one draw per call, from the seed's
+    stream): k distinct, increasing, equal across compressors of one seed and across the two
+    frameworks, new at each call."""
+    pytest.importorskip("torch")
+    n, k = 10_000, 100
+    x = normal((n,), seed=8)
+    c = RandomK(k / n, seed=4)
+    first, second = (arr(c.compress(tensor("torch", x), "w")[1].extra) for _ in range(2))
+    for idx in (first, second):
+        assert idx.size == k and np.unique(idx).size == k and np.all(np.diff(idx) > 0)
+    for fw in ("numpy", "torch"):  # a fresh compressor of the same seed: the same first draw
+        np.testing.assert_array_equal(arr(RandomK(k / n, seed=4).compress(tensor(fw, x), "w")[1].extra),
+                                      first)
+    assert not np.array_equal(first, second)
+
+
 def test_seeded_draws_repeat_and_unseeded_differ():
     x = normal((50,), seed=6)
     a = [arr(QSGD(3, seed=7).compress(x, "w")[0][1]) for _ in range(2)]

@@ -153,7 +153,10 @@ class RandomK(Pooled, Compressor):
         ops, flat, ctx = prepare(tensor, name, self)
         n = ctx.numel
         k = _count(n, self.ratio)
-        _, idx = ops.topk(ops.uniform([n], self._seeds.next(name), flat), k)
+        seed = self._seeds.next(name)
+        choose = getattr(ops, "choose", None)  # numpy and torch: k positions drawn directly
+        idx = (choose(n, k, seed, flat) if choose is not None
+               else ops.topk(ops.uniform([n], seed, flat), k)[1])
         values = ops.gather(flat, idx)
         if self.unbiased and k < n:
             values = values * (n / k)
