@@ -250,6 +250,27 @@ def test_stochastic_compressors_are_unbiased(fw, kind):
     assert not np.allclose(single, x)  # each draw is lossy; only the mean is exact
 
 
+@pytest.mark.parametrize(("n", "m", "r"), [(4099, 7, 3), (3, 5, 2), (1, 1, 1), (1031, 2053, 4)])
+def test_torch_products_equal_numpy_in_every_layout(n, m, r):
+    """The torch adapter's tall narrow products (computed transposed) and pooled products
+    (in bands of rows, the last one short) give numpy's result."""
+    torch = pytest.importorskip("torch")
+    from plait.adapters.torch import OPS
+    from plait.collectives.pool import BufferPool
+
+    def exact(x: np.ndarray, y: np.ndarray) -> np.ndarray:
+        return x.astype(np.float64) @ y.astype(np.float64)
+
+    a, b = normal((n, m), seed=1), normal((m, r), seed=2)  # float32: sums of m terms round
+    np.testing.assert_allclose(arr(OPS.matmul(torch.from_numpy(a), torch.from_numpy(b))), exact(a, b),
+                               rtol=1e-4, atol=1e-4)
+    p, q = normal((n, r), seed=3), normal((r, m), seed=4)
+    pool = BufferPool()
+    for _ in range(2):  # the second time into a reused buffer
+        out = OPS.matmul_pooled(torch.from_numpy(p), torch.from_numpy(q), pool)
+        np.testing.assert_allclose(arr(out), exact(p, q), rtol=1e-5, atol=1e-5)
+
+
 def test_randomk_positions_are_distinct_increasing_and_shared_by_seed():
     """numpy and torch draw the k positions directly (one draw per call, from the seed's
     stream): k distinct, increasing, equal across compressors of one seed and across the two
