@@ -293,6 +293,39 @@ class TorchOps:
             torch.mm(a[i:i + rows], b, out=out[i:i + rows])
         return out
 
+    def scaled_codes_sum(self, codes: Sequence[torch.Tensor], factors: Sequence[torch.Tensor],
+                         dtype: str, divide: int, pool: Any) -> torch.Tensor:
+        """``(sum_r codes[r] * factors[r]) / divide`` as a flat tensor of ``dtype``, in
+        buffers of ``pool`` on the CPU (see :func:`pooled_empty`), each step as decoding
+        every part and summing them would do it, in that order.
+
+        Args:
+            codes: each rank's integer codes, as many elements each.
+            factors: each rank's one-element factor.
+            dtype: the result's dtype name.
+            divide: divide the sum by this (1: not at all).
+            pool: the buffer pool.
+
+        Returns:
+            The sum (it shares memory with a buffer of ``pool`` on the CPU).
+        """
+        target, n = _FROM_NAME[dtype], codes[0].numel()
+        cpu = codes[0].device.type == "cpu"
+        out = (pooled_empty(pool, n, target) if cpu
+               else torch.empty(n, dtype=target, device=codes[0].device))
+        out.copy_(codes[0].reshape(-1))
+        out.mul_(factors[0])
+        tmp = out.new_empty(0)
+        for c, f in zip(codes[1:], factors[1:]):
+            if not tmp.numel():
+                tmp = pooled_empty(pool, n, target) if cpu else torch.empty_like(out)
+            tmp.copy_(c.reshape(-1))
+            tmp.mul_(f)
+            out.add_(tmp)
+        if divide != 1:
+            out.div_(divide)
+        return out
+
     def qr(self, x: torch.Tensor) -> torch.Tensor:
         q, _ = torch.linalg.qr(x)
         return q

@@ -271,6 +271,26 @@ def test_torch_products_equal_numpy_in_every_layout(n, m, r):
         np.testing.assert_allclose(arr(out), exact(p, q), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("average", [True, False])
+@pytest.mark.parametrize("kind", ["qsgd", "terngrad"])
+def test_pooled_decode_of_scaled_codes_equals_decoding_each_rank(kind, average):
+    """QSGD's and TernGrad's torch decode of 3 ranks' gathered payloads, summed in pooled
+    buffers, is bitwise what decoding each part and combining them gives, also the second
+    time (into reused buffers)."""
+    torch = pytest.importorskip("torch")
+    from plait.compression.base import Compressor
+
+    c = QSGD(5, seed=1) if kind == "qsgd" else TernGrad(seed=2)
+    payloads = [c.compress(torch.from_numpy(normal((7, 11), seed=r)), "w") for r in range(3)]
+    ctx = payloads[0][1]
+    gathered = [torch.cat([p[0][i] for p in payloads]) for i in range(2)]
+    counts = np.array([[1, 77]] * 3)
+    want = Compressor.decode_gathered(c, gathered, counts, ctx, average)
+    for _ in range(2):
+        got = c.decode_gathered(gathered, counts, ctx, average)
+        assert got.shape == (7, 11) and got.dtype == torch.float32 and torch.equal(got, want)
+
+
 def test_randomk_positions_are_distinct_increasing_and_shared_by_seed():
     """numpy and torch draw the k positions directly (one draw per call, from the seed's
     stream): k distinct, increasing, equal across compressors of one seed and across the two
