@@ -8,6 +8,7 @@ not ``tf.Variable``) are unwrapped through their ``.value``.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import sys
 import weakref
 from collections.abc import Callable, Iterator, Sequence
@@ -19,9 +20,10 @@ import tensorflow as tf
 from plait.errors import ConfigError, MismatchError, PlaitTypeError
 
 from .numpy import BYTE_BITS
+from .topk import sample_size, sampled_topk
 
 __all__ = ["OPS", "TFConfigError", "TFMismatchError", "TFOps", "bracketed", "collective_function",
-           "executing_eagerly", "graph_position", "tf_errors", "unwrap"]
+           "executing_eagerly", "graph_position", "host_view", "tf_errors", "unwrap"]
 
 _TO_NAME = {
     tf.float16: "float16", tf.bfloat16: "bfloat16", tf.float32: "float32",
@@ -34,6 +36,62 @@ _FROM_NAME = {v: k for k, v in _TO_NAME.items()}
 def tf_dtype(name: str) -> tf.DType:
     """Map a canonical dtype name to ``tf.DType``."""
     return _FROM_NAME[name]
+
+
+#: :meth:`TFOps.zero_at` masks when more than one element in this many is zeroed.
+_MASK_FROM = 256
+#: :meth:`TFOps.scatter` merges positions on the host from this many output elements.
+_MERGE_FROM = 1 << 16
+
+
+def _merged(indices: Any, values: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """Eager ``(indices, values)`` as distinct increasing positions with the values at
+    equal positions summed in their order (as ``tf.scatter_nd`` adds them); None for
+    values that are not float32/float64."""
+    if values.dtype not in (tf.float32, tf.float64) or "GPU" in values.device:
+        return None
+    idx = host_view(tf.cast(indices, tf.int64))
+    vals = host_view(values)
+    if idx.size > 1 and not bool((idx[1:] > idx[:-1]).all()):
+        order = np.argsort(idx, kind="stable")  # a few sorted runs (one per rank): a merge
+        idx, vals = idx[order], vals[order]
+        starts = np.flatnonzero(np.concatenate(([True], idx[1:] != idx[:-1])))
+        if starts.size < idx.size:
+            idx, vals = idx[starts], np.add.reduceat(vals, starts)
+    return idx, vals
+
+
+def _mutable(x: Any) -> bool:
+    """Whether eager ``x`` is a host tensor that :func:`host_view` can show (not bfloat16,
+    not symbolic, not on a GPU)."""
+    return (tf.executing_eagerly() and x.dtype in (tf.float16, tf.float32, tf.float64)
+            and "GPU" not in x.device and not tf.is_symbolic_tensor(x))
+
+
+class _DLPack:
+    """An eager tensor offered to ``np.from_dlpack`` (``EagerTensor.numpy()`` copies)."""
+
+    def __init__(self, tensor: Any) -> None:
+        self._tensor = tensor
+
+    def __dlpack__(self, **_: Any) -> Any:
+        return tf.experimental.dlpack.to_dlpack(self._tensor)
+
+    def __dlpack_device__(self) -> tuple[int, int]:
+        return (1, 0)  # kDLCPU
+
+
+def host_view(tensor: Any) -> np.ndarray:
+    """A read-only numpy view of an eager host tensor's memory, without a copy (10.5M
+    float32: ``.numpy()`` copies in 6 ms here).
+
+    Args:
+        tensor: an eager TensorFlow tensor on the CPU (not bfloat16).
+
+    Returns:
+        The view; it keeps the tensor's buffer alive.
+    """
+    return np.from_dlpack(_DLPack(tensor))
 
 
 def unwrap(x: Any) -> Any:
@@ -162,6 +220,14 @@ class TFOps:
 
     def topk(self, x: Any, k: int, magnitude: bool = False) -> tuple[tf.Tensor, tf.Tensor]:
         flat = tf.reshape(unwrap(x), [-1])
+        m = sample_size(int(flat.shape[0]), k) if flat.dtype in (tf.float32, tf.float64) else None
+        if m is not None and tf.executing_eagerly() and "GPU" not in flat.device:
+            # an eager host tensor: the sampled selection in numpy (positions in order)
+            a = host_view(flat)
+            found = sampled_topk(a, k, np.random.default_rng([a.size, k]).integers(0, a.size, m),
+                                 magnitude)
+            if found is not None:
+                return tf.constant(found[0]), tf.constant(found[1])
         _, indices = tf.math.top_k(tf.abs(flat) if magnitude else flat, k=k, sorted=False)
         return tf.gather(flat, indices), tf.cast(indices, tf.int64)
 
@@ -169,8 +235,17 @@ class TFOps:
         return tf.gather(tf.reshape(unwrap(x), [-1]), indices)
 
     def scatter(self, indices: Any, values: Any, size: int) -> tf.Tensor:
-        idx = tf.reshape(tf.cast(indices, tf.int64), [-1, 1])
-        return tf.scatter_nd(idx, values, tf.constant([size], dtype=tf.int64))
+        values = tf.convert_to_tensor(values)
+        merged = _merged(indices, values) if size >= _MERGE_FROM and tf.executing_eagerly() else None
+        if merged is None:
+            idx = tf.reshape(tf.cast(indices, tf.int64), [-1, 1])
+            return tf.scatter_nd(idx, values, tf.constant([size], dtype=tf.int64))
+        # distinct positions: SparseToDense writes them (1.7 ms for 105K of 10.5M float32
+        # here, where scatter_nd's locked adds took 18 ms), into one new tensor
+        return tf.raw_ops.SparseToDense(
+            sparse_indices=tf.reshape(tf.constant(merged[0]), [-1, 1]), output_shape=[size],
+            sparse_values=tf.constant(merged[1]), default_value=tf.zeros((), values.dtype),
+            validate_indices=False)
 
     def add_into(self, acc: Any, x: Any, a: float = 1.0, b: float = 1.0) -> tf.Tensor:
         acc, x = unwrap(acc), unwrap(x)
@@ -178,7 +253,22 @@ class TFOps:
 
     def zero_at(self, x: Any, indices: Any, inplace: bool = False) -> tf.Tensor:
         flat = tf.reshape(unwrap(x), [-1])
+        if inplace and _mutable(flat):
+            # the caller's own new tensor that nobody else sees (an error-feedback memory's
+            # compensated gradient): zeroed through a host view, 0.5 ms instead of a new
+            # tensor's 11 ms for 105K of 10.5M float32 here
+            view = host_view(flat)
+            np.ctypeslib.as_array((ctypes.c_char * view.nbytes).from_address(view.ctypes.data)).view(
+                view.dtype)[host_view(tf.cast(indices, tf.int64))] = 0
+            return flat
         idx = tf.reshape(tf.cast(indices, tf.int64), [-1, 1])
+        if _MASK_FROM * int(idx.shape[0] or 0) > int(flat.shape[0] or 0) > 0:
+            # many positions: a mask and a select (8.8 ms for 105K of 10.5M float32 here)
+            # beat tensor_scatter_nd_update's one update at a time (18 ms)
+            mask = tf.raw_ops.SparseToDense(sparse_indices=idx, output_shape=tf.shape(flat, tf.int64),
+                                            sparse_values=True, default_value=False,
+                                            validate_indices=False)
+            return tf.where(mask, tf.zeros((), flat.dtype), flat)
         return tf.tensor_scatter_nd_update(flat, idx, tf.zeros(tf.shape(idx)[:1], flat.dtype))
 
     def matmul(self, a: Any, b: Any) -> tf.Tensor:

@@ -17,6 +17,7 @@ from plait.errors import PlaitTypeError
 
 from .numpy import BYTE_BITS
 from .numpy import OPS as _NUMPY
+from .topk import sample_size, sampled_topk
 
 __all__ = ["OPS", "TorchOps", "collective_function", "grouped_collective_function", "pooled_empty"]
 
@@ -38,59 +39,21 @@ def _as_half(a: np.ndarray, half: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(a.view(np.int16)).view(half)
 
 
-#: The smallest sample :func:`_sampled_topk` draws; it samples only tensors of at least 4x
-#: as many elements (``torch.topk`` is fast enough below).
-_SAMPLED_MIN = 1 << 16
-
-
 def _sampled_topk(flat: torch.Tensor, k: int, gen: torch.Generator, magnitude: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The exact ``k`` largest of a large 1-d CPU float tensor, without a full selection.
-
-    A random sample of ``m`` elements gives a threshold that about 1.25 k elements
-    exceed (its ``j``-th largest, ``j`` a few standard deviations above the ``m k / n``
-    expected); if at least ``k`` do, every one of the ``k`` largest is among them, and a
-    partition of those few gives the answer (``torch.topk`` of 10.8M float32 takes
-    175 ms here; this about 13 ms). The positions come in increasing order, which
-    makes scattering them (the decode) and zeroing them (the residual) faster.
-    ``None`` when the sample misled (too few passed), would be a large part of the
-    tensor, or for a tensor that is not a float32/float64 CPU tensor: the caller falls
-    back to ``torch.topk``. With ``magnitude`` it ranks by ``|x|``, taken chunk by
-    chunk (a full-size ``|x|`` of 10.8M float32 costs ~20 ms of page faults here).
-    """
+    """:func:`~plait.adapters.topk.sampled_topk` of a large 1-d float32/float64 CPU tensor
+    (sampled with ``gen``); None for other tensors, small ones, or when the sample misled:
+    the caller falls back to ``torch.topk``."""
     if flat.device.type != "cpu" or flat.dtype not in (torch.float32, torch.float64) or flat.requires_grad:
         return None
     n = flat.numel()
-    m = max(_SAMPLED_MIN, 200 * n // k)
-    if 4 * m > n:
+    m = sample_size(n, k)
+    if m is None:
         return None
-    expect = m * k / n
-    j = min(m, int(expect + 6 * expect**0.5 + 8))
-    a = flat.numpy()
     # numpy from here: its gathers of a few 100K elements take 0.5 ms where torch's
     # advanced indexing took 2.5 ms, and its partition 0.4 ms where torch.topk took 1.9
-    sample = a[torch.randint(0, n, (m,), generator=gen).numpy()]
-    key = np.abs(sample) if magnitude else sample
-    threshold = float(np.partition(key, m - j)[m - j])
-    candidates = _at_least(a, threshold, magnitude)
-    if candidates.size < k:
-        return None
-    picked = a[candidates]
-    key = np.abs(picked) if magnitude else picked
-    cut = np.partition(key, key.size - k)[key.size - k]  # the k-th largest
-    chosen = np.flatnonzero(key >= cut)  # in order, as the candidates are
-    if chosen.size > k:  # ties at the cut: the first of them
-        above = np.flatnonzero(key > cut)
-        chosen = np.sort(np.concatenate([above, np.flatnonzero(key == cut)[:k - above.size]]))
-    return torch.from_numpy(picked[chosen]), torch.from_numpy(candidates[chosen])
-
-
-def _at_least(a: np.ndarray, threshold: float, magnitude: bool, chunk: int = 1 << 18) -> np.ndarray:
-    """Positions (int64) of the elements of 1-d ``a`` (or of ``|a|``) >= ``threshold``, in
-    order, found chunk by chunk so that the temporaries stay small and reused."""
-    parts = [np.flatnonzero((np.abs(c) if magnitude else c) >= threshold) + start
-             for start in range(0, a.size, chunk) for c in (a[start:start + chunk],)]
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    found = sampled_topk(flat.numpy(), k, torch.randint(0, n, (m,), generator=gen).numpy(), magnitude)
+    return None if found is None else (torch.from_numpy(found[0]), torch.from_numpy(found[1]))
 
 
 #: Bytes of output :meth:`TorchOps.matmul_pooled` computes per product.
@@ -201,7 +164,7 @@ class TorchOps:
 
     def topk(self, x: torch.Tensor, k: int, magnitude: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         flat = x.reshape(-1)
-        found = _sampled_topk(flat, k, self._generator(), magnitude) if 8 * k < flat.numel() else None
+        found = _sampled_topk(flat, k, self._generator(), magnitude)
         if found is not None:
             return found
         _, indices = torch.topk(flat.abs() if magnitude else flat, k, sorted=False)

@@ -131,34 +131,68 @@ def test_topk_keeps_exactly_the_k_largest_magnitudes(fw):
     np.testing.assert_array_equal(out.ravel()[largest], x.ravel()[largest])
 
 
+@pytest.mark.parametrize("fw", FRAMEWORKS)
 @pytest.mark.parametrize("magnitude", [False, True])
 @pytest.mark.parametrize("shape", ["gauss", "block", "ties"])
-def test_large_torch_topk_selects_what_a_full_selection_selects(shape, magnitude):
-    """From 256K elements the torch adapter selects among the elements that pass a sampled
+def test_large_topk_selects_what_a_full_selection_selects(fw, shape, magnitude):
+    """From 256K elements every adapter selects among the elements that pass a sampled
     threshold; the result is still the exact top k (of |x| with ``magnitude``: x's signs
-    flipped at random then), and the user's RNG does not move."""
-    torch = pytest.importorskip("torch")
-    from plait.adapters.torch import OPS
-
-    gen = torch.Generator().manual_seed(1)
+    flipped at random then), and torch's RNG does not move."""
+    rng = np.random.default_rng(1)
     n, k = 400_000, 4_000
     if shape == "gauss":
-        x = torch.randn(n, generator=gen).abs()
+        x = np.abs(rng.standard_normal(n))
     elif shape == "block":  # the large values all in one place: a sample may miss them
-        x = torch.rand(n, generator=gen) * 1e-3
+        x = rng.random(n) * 1e-3
         x[:5_000] += 1.0
     else:  # many equal magnitudes: any k of the largest are a valid answer
-        x = torch.randint(0, 50, (n,), generator=gen).to(torch.float32)
+        x = rng.integers(0, 50, n).astype(np.float64)
     if magnitude:
-        x = x * (torch.randint(0, 2, (n,), generator=gen) * 2 - 1)
-    state = torch.get_rng_state()
-    values, idx = OPS.topk(x, k, magnitude=magnitude)
-    assert torch.equal(torch.get_rng_state(), state)
-    assert idx.numel() == k and idx.unique().numel() == k and torch.equal(x[idx], values)
-    key = x.abs() if magnitude else x
-    assert torch.equal(key[idx].sort().values, torch.topk(key, k).values.sort().values)
+        x = x * (rng.integers(0, 2, n) * 2 - 1)
+    x = x.astype(np.float32)
+    from plait.adapters import ops_for
+
+    t = tensor(fw, x)
+    torch = pytest.importorskip("torch") if fw == "torch" else None
+    state = None if torch is None else torch.get_rng_state()
+    values, idx = ops_for(t).topk(t, k, magnitude=magnitude)
+    if torch is not None:
+        assert torch.equal(torch.get_rng_state(), state)
+    values, idx = arr(values), arr(idx)
+    assert idx.size == k and np.unique(idx).size == k
+    np.testing.assert_array_equal(x[idx], values)
+    key = np.abs(x) if magnitude else x
+    np.testing.assert_array_equal(np.sort(key[idx]), np.sort(key)[-k:])
     if shape != "block":  # found through the sample: positions in order (faster to scatter)
         assert bool((idx[1:] > idx[:-1]).all())
+
+
+def test_tensorflow_scatter_and_zero_at_equal_the_plain_ops():
+    """Eagerly, TFOps.scatter merges several ranks' sorted positions on the host (equal
+    positions add up in order) and writes them with one SparseToDense; zero_at masks many
+    positions, and with ``inplace`` writes into the tensor itself: all as tf.scatter_nd and
+    tf.tensor_scatter_nd_update do."""
+    tf = pytest.importorskip("tensorflow")
+    from plait.adapters.tensorflow import OPS
+
+    rng = np.random.default_rng(5)
+    n = 300_000
+    x = tf.constant(rng.standard_normal(n).astype(np.float32))
+    runs = [np.sort(rng.choice(n, 3_000, replace=False)) for _ in range(3)]
+    runs.append(rng.choice(n, 500, replace=False))  # unsorted
+    idx = tf.constant(np.concatenate(runs).astype(np.int32))
+    vals = tf.constant(rng.standard_normal(int(idx.shape[0])).astype(np.float32))
+    plain = tf.scatter_nd(tf.reshape(tf.cast(idx, tf.int64), [-1, 1]), vals, [n])
+    np.testing.assert_allclose(OPS.scatter(idx, vals, n).numpy(), plain.numpy(), rtol=0, atol=1e-6)
+    for count in (3_000, 10):  # masked, and one update at a time
+        at = tf.constant(runs[0][:count])
+        want = tf.tensor_scatter_nd_update(x, tf.reshape(at, [-1, 1]), tf.zeros([count])).numpy()
+        np.testing.assert_array_equal(OPS.zero_at(x, at).numpy(), want)
+        mine = x + 0.0
+        out = OPS.zero_at(mine, at, inplace=True)
+        np.testing.assert_array_equal(out.numpy(), want)
+        np.testing.assert_array_equal(mine.numpy(), want)  # written into the tensor itself
+    assert float(tf.reduce_sum(tf.abs(x))) > 0 and np.count_nonzero(x.numpy()) == n
 
 
 @pytest.mark.parametrize("fw", FRAMEWORKS)

@@ -118,7 +118,8 @@ class TensorOps(Protocol):
     def zero_at(self, x: Tensor, indices: Tensor, inplace: bool = False) -> Tensor:
         """``x`` flattened, with the elements at ``indices`` (int64) set to zero: a copy,
         or with ``inplace`` written into ``x`` where the framework's tensors are mutable
-        (torch, numpy; a contiguous ``x``)."""
+        (torch, numpy; a contiguous ``x``) or where the caller made ``x`` itself and
+        nobody else sees it (an eager TensorFlow host tensor)."""
         ...
 
     def add_into(self, acc: Tensor, x: Tensor, a: float = 1.0, b: float = 1.0) -> Tensor:
