@@ -126,7 +126,7 @@ class NumpyOps:
         out[np.asarray(indices)] = 0
         return out
 
-    def add_into(self, acc: Any, x: Any, a: float = 1.0, b: float = 1.0) -> np.ndarray:
+    def add_into(self, acc: Any, x: Any, a: float = 1.0, b: float = 1.0, own: bool = False) -> np.ndarray:
         if a != 1.0:
             np.multiply(acc, a, out=acc)
         return np.add(acc, x if b == 1.0 else np.multiply(x, b), out=acc)  # type: ignore[no-any-return]

@@ -62,10 +62,11 @@ def _merged(indices: Any, values: Any) -> tuple[np.ndarray, np.ndarray] | None:
 
 
 def _mutable(x: Any) -> bool:
-    """Whether eager ``x`` is a host tensor that :func:`host_view` can show (not bfloat16,
-    not symbolic, not on a GPU)."""
-    return (tf.executing_eagerly() and x.dtype in (tf.float16, tf.float32, tf.float64)
-            and "GPU" not in x.device and not tf.is_symbolic_tensor(x))
+    """Whether ``x`` is a non-empty eager host tensor (not a variable) that :func:`host_view`
+    can show (not bfloat16, not symbolic, not on a GPU)."""
+    return (tf.executing_eagerly() and isinstance(x, tf.Tensor) and not tf.is_symbolic_tensor(x)
+            and x.dtype in (tf.float16, tf.float32, tf.float64) and "GPU" not in x.device
+            and bool(x.shape.num_elements()))
 
 
 class _DLPack:
@@ -79,6 +80,14 @@ class _DLPack:
 
     def __dlpack_device__(self) -> tuple[int, int]:
         return (1, 0)  # kDLCPU
+
+
+def _writable(tensor: Any) -> np.ndarray:
+    """:func:`host_view`, writable: only for a tensor its caller made and nobody else sees
+    (TensorFlow takes its tensors to be immutable)."""
+    view = host_view(tensor)
+    raw = (ctypes.c_char * view.nbytes).from_address(view.ctypes.data)
+    return np.ctypeslib.as_array(raw).view(view.dtype).reshape(view.shape)
 
 
 def host_view(tensor: Any) -> np.ndarray:
@@ -247,9 +256,24 @@ class TFOps:
             sparse_values=tf.constant(merged[1]), default_value=tf.zeros((), values.dtype),
             validate_indices=False)
 
-    def add_into(self, acc: Any, x: Any, a: float = 1.0, b: float = 1.0) -> tf.Tensor:
+    def add_into(self, acc: Any, x: Any, a: float = 1.0, b: float = 1.0, own: bool = False) -> tf.Tensor:
         acc, x = unwrap(acc), unwrap(x)
-        return (acc if a == 1.0 else acc * a) + (x if b == 1.0 else x * b)
+        if own and _mutable(acc) and _mutable(x) and acc.dtype in (tf.float32, tf.float64) \
+                and x.dtype == acc.dtype and acc.shape == x.shape:
+            # through host views: no new tensor (10.5M float32: 3 ms, 6-10 in a training step)
+            view, other = _writable(acc), host_view(x)
+            if not np.may_share_memory(view, other):
+                if a != 1.0:
+                    np.multiply(view, a, out=view)
+                if b == -1.0:
+                    np.subtract(view, other, out=view)
+                else:
+                    np.add(view, other if b == 1.0 else other * b, out=view)
+                return acc
+        scaled = acc if a == 1.0 else acc * a
+        if b == -1.0:  # one op, not two: x * -1 is exact, so this is the same sum
+            return scaled - x
+        return scaled + (x if b == 1.0 else x * b)
 
     def zero_at(self, x: Any, indices: Any, inplace: bool = False) -> tf.Tensor:
         flat = tf.reshape(unwrap(x), [-1])
@@ -257,9 +281,7 @@ class TFOps:
             # the caller's own new tensor that nobody else sees (an error-feedback memory's
             # compensated gradient): zeroed through a host view, 0.5 ms instead of a new
             # tensor's 11 ms for 105K of 10.5M float32 here
-            view = host_view(flat)
-            np.ctypeslib.as_array((ctypes.c_char * view.nbytes).from_address(view.ctypes.data)).view(
-                view.dtype)[host_view(tf.cast(indices, tf.int64))] = 0
+            _writable(flat)[host_view(tf.cast(indices, tf.int64))] = 0
             return flat
         idx = tf.reshape(tf.cast(indices, tf.int64), [-1, 1])
         if _MASK_FROM * int(idx.shape[0] or 0) > int(flat.shape[0] or 0) > 0:

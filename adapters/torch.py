@@ -229,7 +229,8 @@ class TorchOps:
         flat = x.view(-1) if inplace and x.is_contiguous() else x.reshape(-1).clone()
         return flat.index_fill_(0, indices, 0)
 
-    def add_into(self, acc: torch.Tensor, x: torch.Tensor, a: float = 1.0, b: float = 1.0) -> torch.Tensor:
+    def add_into(self, acc: torch.Tensor, x: torch.Tensor, a: float = 1.0, b: float = 1.0,
+                 own: bool = False) -> torch.Tensor:
         if a != 1.0:
             acc.mul_(a)
         return acc.add_(x, alpha=b)

@@ -122,10 +122,13 @@ class TensorOps(Protocol):
         nobody else sees it (an eager TensorFlow host tensor)."""
         ...
 
-    def add_into(self, acc: Tensor, x: Tensor, a: float = 1.0, b: float = 1.0) -> Tensor:
+    def add_into(self, acc: Tensor, x: Tensor, a: float = 1.0, b: float = 1.0,
+                 own: bool = False) -> Tensor:
         """``a * acc + b * x``, written into ``acc`` where the framework's tensors are
         mutable (torch, numpy), so no new memory is touched (a new 40 MiB tensor costs
-        ~20 ms of page faults here); TensorFlow returns a new tensor."""
+        ~20 ms of page faults here). TensorFlow returns a new tensor, or with ``own`` (the
+        caller made ``acc`` itself and nobody else sees it) writes into an eager host
+        ``acc`` of float32/float64 that shares no memory with ``x``."""
         ...
 
     def matmul(self, a: Tensor, b: Tensor) -> Tensor: ...

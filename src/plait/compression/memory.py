@@ -119,7 +119,7 @@ class Residual:
                             or ops.shape(held) != ops.shape(tensor)):  # e.g. restored as numpy
             return self.compensate(tensor, name)
         del self.residuals[name]
-        out = ops.add_into(held, tensor, self.beta, self.gamma)
+        out = ops.add_into(held, tensor, self.beta, self.gamma, own=True)
         self._mine[name] = out
         return out
 
@@ -155,7 +155,7 @@ class Residual:
         """Store ``tensor - decoded``: into ``tensor`` when it is ``mine`` and ``decoded``
         (returned to the caller, or about to be) is not a view of it."""
         if mine and not _shares(tensor, [decoded]):
-            self.residuals[name] = ops_for(tensor).add_into(tensor, decoded, 1.0, -1.0)
+            self.residuals[name] = ops_for(tensor).add_into(tensor, decoded, 1.0, -1.0, own=True)
         else:
             self.residuals[name] = tensor - decoded
 
