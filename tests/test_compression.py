@@ -416,6 +416,44 @@ def test_compressed_allreduce_counts_bytes(fw):
     assert stats.by_name["w"].calls == 4 and len(stats.steps) == 1
 
 
+@pytest.mark.parametrize("compressor", [TopK(0.01), PowerSGD(rank=2)], ids=["topk", "powersgd"])
+def test_tensorflow_error_feedback_in_place_equals_new_tensors(compressor, monkeypatch):
+    """Eager TensorFlow's memory writes into its own tensors (add_into(own=True), zero_at
+    in place); over several steps its results and residuals equal those of new tensors
+    every time, bitwise, and the gradients handed in are never written."""
+    import copy
+
+    tf = pytest.importorskip("tensorflow")
+    from plait.adapters.tensorflow import OPS, TFOps
+
+    rng = np.random.default_rng(8)
+    grads = [rng.standard_normal((512, 640)).astype(np.float32) for _ in range(4)]
+
+    def run() -> tuple[list[np.ndarray], np.ndarray]:
+        c, memory, out = copy.deepcopy(compressor), Residual(), []
+        for g in grads:
+            t = tf.constant(g)
+            out.append(np.array(arr(compressed_allreduce(SelfComm(), t, "w", c, memory))))
+            np.testing.assert_array_equal(t.numpy(), g)
+        return out, np.array(arr(memory.residuals["w"])).reshape(512, 640)
+
+    in_place = run()
+    add_into, zero_at = TFOps.add_into, TFOps.zero_at
+    monkeypatch.setattr(TFOps, "add_into", lambda self, acc, x, a=1.0, b=1.0, own=False:
+                        add_into(self, acc, x, a, b))
+    monkeypatch.setattr(TFOps, "zero_at", lambda self, x, indices, inplace=False:
+                        zero_at(self, x, indices))
+    fresh = run()
+    for x, y in zip([*in_place[0], in_place[1]], [*fresh[0], fresh[1]]):
+        np.testing.assert_array_equal(x, y)
+    monkeypatch.undo()
+    acc = tf.constant(grads[0]) + 0.0
+    assert OPS.add_into(acc, tf.constant(grads[1]), 1.0, -1.0, own=True) is acc
+    np.testing.assert_array_equal(acc.numpy(), grads[0] - grads[1])
+    shared = OPS.add_into(acc, acc, 1.0, -1.0, own=True)  # x is acc: a new tensor
+    assert shared is not acc and not shared.numpy().any() and acc.numpy().any()
+
+
 def test_compressed_allreduce_inside_tf_function():
     import tensorflow as tf
 
