@@ -38,6 +38,8 @@ def tf_dtype(name: str) -> tf.DType:
     return _FROM_NAME[name]
 
 
+_HOST_OPS: dict[str, Callable[..., Any]] = {"sum": tf.add, "average": tf.add, "min": tf.minimum,
+                                            "max": tf.maximum, "product": tf.multiply}
 #: :meth:`TFOps.zero_at` masks when more than one element in this many is zeroed.
 _MASK_FROM = 256
 #: :meth:`TFOps.scatter` merges positions on the host from this many output elements.
@@ -292,6 +294,34 @@ class TFOps:
                                             validate_indices=False)
             return tf.where(mask, tf.zeros((), flat.dtype), flat)
         return tf.tensor_scatter_nd_update(flat, idx, tf.zeros(tf.shape(idx)[:1], flat.dtype))
+
+    def host_reduce(self, op: str, dtype: str) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None] | None:
+        """``fn(out, a, b)``: ``out = a (op) b`` on numpy host buffers of float16 with
+        TensorFlow's vectorised kernels, for the MPI backend's ring (numpy's float16
+        arithmetic converts element by element: 2M elements 16 ms, here 1.4 ms, bitwise
+        the same); None for other dtypes, where numpy is as fast.
+
+        Args:
+            op: "sum" (also for "average"), "min", "max" or "product".
+            dtype: the buffers' plait dtype name.
+        """
+        fn = _HOST_OPS.get(op)
+        if fn is None or dtype != "float16":
+            return None
+
+        def reduce(out: np.ndarray, a: np.ndarray, b: np.ndarray) -> None:
+            out[...] = host_view(fn(tf.constant(a), tf.constant(b)))
+        return reduce
+
+    def host_divide(self, dtype: str) -> Callable[[np.ndarray, int], None] | None:
+        """``fn(out, n)``: ``out /= n`` in place on a numpy host buffer of float16 (see
+        :meth:`host_reduce`); None for other dtypes."""
+        if dtype != "float16":
+            return None
+
+        def divide(out: np.ndarray, n: int) -> None:
+            out[...] = host_view(tf.constant(out) / tf.constant(n, tf.float16))
+        return divide
 
     def matmul(self, a: Any, b: Any) -> tf.Tensor:
         return tf.matmul(unwrap(a), unwrap(b))
