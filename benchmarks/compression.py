@@ -203,8 +203,10 @@ def _keras_rows(comm: Any, names: tuple[str, ...], steps: int, warmup: int,
         compressor.count_into(stats)
         row = _keras_train(comm, compressor, pc.Residual() if ef else None, steps, warmup,
                            graph="tf.function" in name)
+        counted = "tf.function" not in name  # WireStats count eager collectives only
         row.update(name=name, kind="plait keras", compressor=expr,
-                   wire_bytes_per_step=stats.last_step.sent, raw_bytes_per_step=stats.last_step.raw)
+                   wire_bytes_per_step=stats.last_step.sent if counted else None,
+                   raw_bytes_per_step=stats.last_step.raw if counted else None)
         _report(comm, row, rows)
 
 
