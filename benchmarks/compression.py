@@ -58,6 +58,7 @@ KERAS = {
     "keras none": ("NoneCompressor()", False),
     "keras none (tf.function)": ("NoneCompressor()", False),
     "keras fp16": ("FP16()", False),
+    "keras fp16 (tf.function)": ("FP16()", False),
     "keras topk 1% + EF": ("TopK(0.01)", True),
     "keras powersgd r4 + EF": ("PowerSGD(rank=4)", True),
 }
@@ -145,7 +146,7 @@ def _keras_train(comm: Any, compressor: Any, memory: Any, steps: int, warmup: in
     def whole(x: Any, y: Any) -> None:
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
-        grads = DistributedGradientTape(tape, comm).gradient(loss, variables)
+        grads = DistributedGradientTape(tape, comm, compression=compressor).gradient(loss, variables)
         opt.apply(grads, variables)
 
     @tf.function

@@ -9,13 +9,18 @@ import pytest
 from plait.adapters.numpy import bf16_to_f32, f32_to_bf16
 from plait.collectives.ring import combiner
 
-#: (framework, a 16-bit dtype its adapter has kernels for)
-CASES = [("torch", "float16"), ("torch", "bfloat16"), ("tensorflow", "float16")]
+#: (framework, a 16-bit dtype its adapter has kernels for); numpy arrays (a TensorFlow
+#: graph's collectives) borrow the loaded framework's: torch's here
+CASES = [("torch", "float16"), ("torch", "bfloat16"), ("tensorflow", "float16"), ("numpy", "float16"),
+         ("numpy", "bfloat16")]
 
 
 def _ops(framework: str):
     pytest.importorskip(framework)
-    if framework == "torch":
+    if framework == "numpy":
+        pytest.importorskip("torch")
+        from plait.adapters.numpy import OPS
+    elif framework == "torch":
         from plait.adapters.torch import OPS
     else:
         from plait.adapters.tensorflow import OPS
@@ -56,7 +61,7 @@ def test_host_divide_equals_numpy(framework: str, dtype: str, n: int) -> None:
     np.testing.assert_array_equal(got.view(np.uint16), want.view(np.uint16))
 
 
-@pytest.mark.parametrize("framework", ["torch", "tensorflow"])
+@pytest.mark.parametrize("framework", ["torch", "tensorflow", "numpy"])
 def test_other_dtypes_keep_numpy(framework: str) -> None:
     OPS = _ops(framework)
     assert OPS.host_reduce("sum", "float32") is None and OPS.host_divide("int64") is None
