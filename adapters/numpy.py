@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from .topk import sample_size, sampled_topk
+from .topk import seeded_topk
 
 __all__ = ["BYTE_BITS", "OPS", "NumpyOps", "bf16_to_f32", "f32_to_bf16"]
 
@@ -119,9 +119,7 @@ class NumpyOps:
 
     def topk(self, x: Any, k: int, magnitude: bool = False) -> tuple[np.ndarray, np.ndarray]:
         flat = np.asarray(x).ravel()
-        m = sample_size(flat.size, k) if flat.dtype in (np.float32, np.float64) else None
-        found = None if m is None else sampled_topk(
-            flat, k, np.random.default_rng([flat.size, k]).integers(0, flat.size, m), magnitude)
+        found = seeded_topk(flat, k, magnitude)
         if found is not None:
             return found
         key = -np.abs(flat) if magnitude else -flat

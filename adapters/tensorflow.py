@@ -20,7 +20,7 @@ import tensorflow as tf
 from plait.errors import ConfigError, MismatchError, PlaitTypeError
 
 from .numpy import BYTE_BITS
-from .topk import sample_size, sampled_topk
+from .topk import sample_size, seeded_topk
 
 __all__ = ["OPS", "TFConfigError", "TFMismatchError", "TFOps", "bracketed", "collective_function",
            "executing_eagerly", "graph_position", "host_view", "tf_errors", "unwrap"]
@@ -231,12 +231,9 @@ class TFOps:
 
     def topk(self, x: Any, k: int, magnitude: bool = False) -> tuple[tf.Tensor, tf.Tensor]:
         flat = tf.reshape(unwrap(x), [-1])
-        m = sample_size(int(flat.shape[0]), k) if flat.dtype in (tf.float32, tf.float64) else None
-        if m is not None and tf.executing_eagerly() and "GPU" not in flat.device:
+        if _mutable(flat) and sample_size(int(flat.shape[0]), k) is not None:
             # an eager host tensor: the sampled selection in numpy (positions in order)
-            a = host_view(flat)
-            found = sampled_topk(a, k, np.random.default_rng([a.size, k]).integers(0, a.size, m),
-                                 magnitude)
+            found = seeded_topk(host_view(flat), k, magnitude)
             if found is not None:
                 return tf.constant(found[0]), tf.constant(found[1])
         _, indices = tf.math.top_k(tf.abs(flat) if magnitude else flat, k=k, sorted=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["SAMPLED_MIN", "sample_size", "sampled_topk"]
+__all__ = ["SAMPLED_MIN", "sample_size", "sampled_topk", "seeded_topk"]
 
 #: The smallest sample :func:`sampled_topk` uses; it samples only arrays of at least 4x
 #: as many elements (a plain selection is fast enough below).
@@ -70,6 +70,25 @@ def sampled_topk(a: np.ndarray, k: int, sample: np.ndarray, magnitude: bool = Fa
         above = np.flatnonzero(key > cut)
         chosen = np.sort(np.concatenate([above, np.flatnonzero(key == cut)[:k - above.size]]))
     return picked[chosen], candidates[chosen]
+
+
+def seeded_topk(a: np.ndarray, k: int, magnitude: bool = False) -> tuple[np.ndarray, np.ndarray] | None:
+    """:func:`sampled_topk` of a float32/float64 array, sampled by a generator seeded with
+    ``(a.size, k)`` (the numpy and TensorFlow adapters; torch samples with its own).
+
+    Args:
+        a: a 1-d array.
+        k: elements wanted.
+        magnitude: rank by absolute value.
+
+    Returns:
+        ``(values, positions)``; None for other dtypes, where sampling does not pay, or
+        when the sample misled: select otherwise.
+    """
+    m = sample_size(a.size, k) if a.dtype in (np.float32, np.float64) else None
+    if m is None:
+        return None
+    return sampled_topk(a, k, np.random.default_rng([a.size, k]).integers(0, a.size, m), magnitude)
 
 
 def _at_least(a: np.ndarray, threshold: float, magnitude: bool, chunk: int = 1 << 18) -> np.ndarray:
