@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,8 +53,8 @@ PLAIT = {
 QUICK = ("none", "topk 1% + EF", "powersgd r4 + EF")
 DDP = ("ddp none", "ddp fp16 hook", "ddp powersgd r4 hook")
 #: the same model and data in Keras 3 (TensorFlow): gradients and update in ``tf.function``\ s,
-#: the reduction eagerly between them (lossy compressors run eagerly), next to the whole
-#: uncompressed step in one ``tf.function``.
+#: the reduction eagerly between them (lossy compressors run eagerly); "(tf.function)" rows
+#: put the whole step in one ``tf.function`` (none and fp16 work in graphs).
 KERAS = {
     "keras none": ("NoneCompressor()", False),
     "keras none (tf.function)": ("NoneCompressor()", False),
@@ -94,33 +95,48 @@ def _data() -> tuple[Any, Any, Any, Any]:
     return x[:1437], y[:1437], x[1437:], y[1437:]
 
 
+def _timed(batch: Callable[[Any], Any], step: Callable[[Any], None], n: int, rank: int, size: int,
+           steps: int, warmup: int, accuracy: Callable[[], float]) -> dict[str, Any]:
+    """Run ``step(batch(rows))`` ``steps`` times, ``rows`` this rank's part of the epoch's
+    shuffled order of ``n`` samples; time (``step`` only) and count bytes for the steps after
+    ``warmup``, then take ``accuracy()``."""
+    import numpy as np
+
+    per_epoch = n // (BATCH * size)
+    times, tx0 = [], 0
+    for i in range(steps):
+        if i == warmup:
+            tx0 = _tx()
+        perm = np.random.default_rng(10 + i // per_epoch).permutation(n)
+        s = i % per_epoch
+        prepared = batch(perm[s * BATCH * size : (s + 1) * BATCH * size][rank::size])
+        t0 = time.perf_counter()
+        step(prepared)
+        if i >= warmup:
+            times.append(time.perf_counter() - t0)
+    tx = _tx() - tx0 if tx0 >= 0 else -1
+    return {"step_s": float(np.median(times)), "step_s_min": float(min(times)),
+            "tx_bytes_per_step": tx / len(times) if tx >= 0 else None, "accuracy": accuracy(),
+            "timed_steps": len(times)}
+
+
 def _train(model: Any, opt: Any, rank: int, size: int, steps: int, warmup: int) -> dict[str, Any]:
     """Train ``steps`` steps; time and count bytes for the steps after ``warmup``."""
-    import numpy as np
     import torch
 
     x, y, xt, yt = _data()
     loss_fn = torch.nn.CrossEntropyLoss()
-    per_epoch = len(x) // (BATCH * size)
-    times, tx0, t0 = [], 0, 0.0
-    for step in range(steps):
-        if step == warmup:
-            tx0 = _tx()
-        perm = np.random.default_rng(10 + step // per_epoch).permutation(len(x))
-        s = step % per_epoch
-        rows = torch.from_numpy(perm[s * BATCH * size : (s + 1) * BATCH * size][rank::size])
-        t0 = time.perf_counter()
+
+    def step(rows: Any) -> None:
         loss_fn(model(x[rows]), y[rows]).backward()
         opt.step()
         opt.zero_grad()
-        if step >= warmup:
-            times.append(time.perf_counter() - t0)
-    tx = _tx() - tx0 if tx0 >= 0 else -1
-    with torch.no_grad():
-        acc = float((model(xt).argmax(1) == yt).float().mean()) * 100
-    return {"step_s": float(np.median(times)), "step_s_min": float(min(times)),
-            "tx_bytes_per_step": tx / len(times) if tx >= 0 else None, "accuracy": acc,
-            "timed_steps": len(times)}
+
+    def accuracy() -> float:
+        with torch.no_grad():
+            return float((model(xt).argmax(1) == yt).float().mean()) * 100
+
+    return _timed(torch.from_numpy, step, len(x), rank, size, steps, warmup, accuracy)
 
 
 def _keras_train(comm: Any, compressor: Any, memory: Any, steps: int, warmup: int,
@@ -163,26 +179,10 @@ def _keras_train(comm: Any, compressor: Any, memory: Any, steps: int, warmup: in
         apply(reduce_gradients(gradients(x, y), variables, comm, compression=compressor,
                                memory=memory))
 
-    run = whole if graph else step
     x, y, xt, yt = (t.numpy() for t in _data())
-    per_epoch = len(x) // (BATCH * comm.size)
-    times, tx0 = [], 0
-    for i in range(steps):
-        if i == warmup:
-            tx0 = _tx()
-        perm = np.random.default_rng(10 + i // per_epoch).permutation(len(x))
-        s = i % per_epoch
-        rows = perm[s * BATCH * comm.size : (s + 1) * BATCH * comm.size][comm.rank :: comm.size]
-        xb, yb = tf.constant(x[rows]), tf.constant(y[rows])
-        t0 = time.perf_counter()
-        run(xb, yb)
-        if i >= warmup:
-            times.append(time.perf_counter() - t0)
-    tx = _tx() - tx0 if tx0 >= 0 else -1
-    acc = float((np.argmax(model(xt).numpy(), 1) == yt).mean()) * 100
-    return {"step_s": float(np.median(times)), "step_s_min": float(min(times)),
-            "tx_bytes_per_step": tx / len(times) if tx >= 0 else None, "accuracy": acc,
-            "timed_steps": len(times)}
+    return _timed(lambda rows: (tf.constant(x[rows]), tf.constant(y[rows])),
+                  lambda xy: (whole if graph else step)(*xy), len(x), comm.rank, comm.size, steps,
+                  warmup, lambda: float((np.argmax(model(xt).numpy(), 1) == yt).mean()) * 100)
 
 
 def _keras_rows(comm: Any, names: tuple[str, ...], steps: int, warmup: int,
