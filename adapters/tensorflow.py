@@ -495,13 +495,21 @@ def bracketed(build: Callable[[], Any], before: Callable[[], None],
     runs, ``before()`` runs before any op ``build`` made starts, and ``after()`` once
     all their outputs are computed (not when one of them failed).
 
+    Inside a ``tf.function`` the outputs do not wait for ``after()``: the function runs
+    every stateful op before it returns (and a loop's next iteration waits for this
+    one's), so ``after()`` still runs, beside whatever consumes the outputs instead of
+    before it (``dp_step.py``'s TensorFlow MLP on the Horovod backend: 0.7-1.1 ms less of a
+    24-25 ms step in 5 of 6 jobs). In a TensorFlow 1 graph only what is fetched runs, so
+    there the outputs wait for it.
+
     Args:
         build: makes the ops; returns their outputs (a tensor or a nest of them).
         before: the host call before them.
         after: the host call after them.
 
     Returns:
-        ``build()``'s outputs, each computed once ``after()`` returned.
+        ``build()``'s outputs (in a TensorFlow 1 graph, each computed once ``after()``
+        returned).
     """
     def host(call: Callable[[], None]) -> Callable[[], np.ndarray]:
         def run() -> np.ndarray:
@@ -514,6 +522,8 @@ def bracketed(build: Callable[[], Any], before: Callable[[], None],
         out = build()
     with tf.control_dependencies(tf.nest.flatten(out, expand_composites=True)):
         end = tf.numpy_function(host(after), [], Tout=tf.int32, stateful=True)
+    if tf.inside_function():
+        return out
     with tf.control_dependencies([end]):
         return tf.nest.map_structure(tf.identity, out, expand_composites=True)
 

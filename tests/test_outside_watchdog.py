@@ -142,3 +142,44 @@ def _zombie(pid: int) -> bool:
             return f.read().rsplit(")", 1)[1].split()[0] == "Z"
     except OSError:
         return True
+
+
+def test_bracketed_graph_ops_are_disarmed_before_the_graph_returns() -> None:
+    """A Horovod graph op is armed before it starts and disarmed after its outputs, on
+    every run of a ``tf.function`` (also each iteration of a loop in it), before the call
+    returns, though the outputs do not wait for the disarm; in a TensorFlow 1 graph,
+    fetching the outputs runs it."""
+    tf = pytest.importorskip("tensorflow")
+    from plait.adapters.tensorflow import bracketed
+
+    events: list[str] = []
+
+    def op(x: object) -> object:
+        def build() -> object:
+            out = tf.numpy_function(lambda a: (events.append("op"), a)[1], [x], Tout=tf.float32,
+                                    stateful=True)
+            return tf.ensure_shape(out, []) + 1.0
+        return bracketed(build, lambda: events.append("arm"), lambda: events.append("disarm"))
+
+    once = tf.function(op)
+    for _ in range(2):
+        events.clear()
+        assert float(once(tf.constant(1.0))) == 2.0
+        assert events == ["arm", "op", "disarm"]
+
+    @tf.function
+    def loop(x: object) -> object:
+        for _ in tf.range(3):
+            x = op(x)
+        return x
+
+    events.clear()
+    assert float(loop(tf.constant(0.0))) == 3.0
+    assert events == ["arm", "op", "disarm"] * 3
+
+    with tf.Graph().as_default():
+        fetched = op(tf.constant(1.0))
+        with tf.compat.v1.Session() as session:
+            events.clear()
+            assert float(session.run(fetched)) == 2.0
+    assert events == ["arm", "op", "disarm"]
