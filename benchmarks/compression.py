@@ -53,15 +53,17 @@ PLAIT = {
 QUICK = ("none", "topk 1% + EF", "powersgd r4 + EF")
 DDP = ("ddp none", "ddp fp16 hook", "ddp powersgd r4 hook")
 #: the same model and data in Keras 3 (TensorFlow): gradients and update in ``tf.function``\ s,
-#: the reduction eagerly between them (lossy compressors run eagerly); "(tf.function)" rows
-#: put the whole step in one ``tf.function`` (none and fp16 work in graphs).
+#: the reduction eagerly between them; "(tf.function)" rows put the whole step in one
+#: ``tf.function`` (as ``model.fit`` does; a lossy compressor runs in a host op there).
 KERAS = {
     "keras none": ("NoneCompressor()", False),
     "keras none (tf.function)": ("NoneCompressor()", False),
     "keras fp16": ("FP16()", False),
     "keras fp16 (tf.function)": ("FP16()", False),
     "keras topk 1% + EF": ("TopK(0.01)", True),
+    "keras topk 1% + EF (tf.function)": ("TopK(0.01)", True),
     "keras powersgd r4 + EF": ("PowerSGD(rank=4)", True),
+    "keras powersgd r4 + EF (tf.function)": ("PowerSGD(rank=4)", True),
 }
 
 
@@ -140,11 +142,12 @@ def _train(model: Any, opt: Any, rank: int, size: int, steps: int, warmup: int) 
 
 
 def _keras_train(comm: Any, compressor: Any, memory: Any, steps: int, warmup: int,
-                 graph: bool) -> dict[str, Any]:
+                 graph: bool, stats: Any) -> dict[str, Any]:
     """:func:`_train` in Keras 3: the same layers, data order and SGD. With ``graph`` the
-    whole step is one ``tf.function`` (``DistributedGradientTape`` inside); otherwise the
-    gradients and the update are each a ``tf.function`` and ``reduce_gradients`` runs
-    eagerly between them (lossy compressors need eager tensors)."""
+    whole step is one ``tf.function`` (``DistributedGradientTape`` inside; ``stats`` gets
+    one step closed per call, as the eager reducer closes them); otherwise the gradients
+    and the update are each a ``tf.function`` and ``reduce_gradients`` runs eagerly
+    between them."""
     import keras
     import numpy as np
     import tensorflow as tf
@@ -162,7 +165,8 @@ def _keras_train(comm: Any, compressor: Any, memory: Any, steps: int, warmup: in
     def whole(x: Any, y: Any) -> None:
         with tf.GradientTape() as tape:
             loss = loss_fn(y, model(x, training=True))
-        grads = DistributedGradientTape(tape, comm, compression=compressor).gradient(loss, variables)
+        grads = DistributedGradientTape(tape, comm, compression=compressor,
+                                        memory=memory).gradient(loss, variables)
         opt.apply(grads, variables)
 
     @tf.function
@@ -180,8 +184,12 @@ def _keras_train(comm: Any, compressor: Any, memory: Any, steps: int, warmup: in
                                memory=memory))
 
     x, y, xt, yt = (t.numpy() for t in _data())
+    def whole_step(x: Any, y: Any) -> None:
+        whole(x, y)
+        stats.end_step()
+
     return _timed(lambda rows: (tf.constant(x[rows]), tf.constant(y[rows])),
-                  lambda xy: (whole if graph else step)(*xy), len(x), comm.rank, comm.size, steps,
+                  lambda xy: (whole_step if graph else step)(*xy), len(x), comm.rank, comm.size, steps,
                   warmup, lambda: float((np.argmax(model(xt).numpy(), 1) == yt).mean()) * 100)
 
 
@@ -203,8 +211,9 @@ def _keras_rows(comm: Any, names: tuple[str, ...], steps: int, warmup: int,
         stats = pc.WireStats()
         compressor.count_into(stats)
         row = _keras_train(comm, compressor, pc.Residual() if ef else None, steps, warmup,
-                           graph="tf.function" in name)
-        counted = "tf.function" not in name  # WireStats count eager collectives only
+                           graph="tf.function" in name, stats=stats)
+        # WireStats count eager collectives and the host ops of lossy compressors in graphs
+        counted = "tf.function" not in name or ef
         row.update(name=name, kind="plait keras", compressor=expr,
                    wire_bytes_per_step=stats.last_step.sent if counted else None,
                    raw_bytes_per_step=stats.last_step.raw if counted else None)
@@ -374,8 +383,8 @@ def _write(args: Any, rows: list[dict[str, Any]], steps: int, warmup: int, size:
           f"(median step time over the last {steps - warmup}). plait rows: MPI backend, "
           "`distributed_optimizer(compression=, memory=)`; plait keras rows: the same layers in Keras 3, "
           "the gradients and the SGD update each a `tf.function`, `reduce_gradients(compression=, "
-          "memory=)` eagerly between them (lossy compressors run eagerly), or (tf.function) the "
-          "whole step with `DistributedGradientTape` in one; wire MiB = WireStats bytes this rank handed "
+          "memory=)` eagerly between them, or (tf.function) the whole step with "
+          "`DistributedGradientTape` in one (a lossy compressor in a host op); wire MiB = WireStats bytes this rank handed "
           "to collectives; tx MiB = rank 0's eth0 tx_bytes per step (all traffic, both phases of "
           f"a ring allreduce). {load_note()}.\n\n"
           + md_table(["backend", "compression", "ms/step", "speedup", "wire MiB/step", "ratio",
@@ -395,12 +404,17 @@ def _outer(args: Any) -> int:
         print(f"compression benchmark: {why}", file=sys.stderr)
         return 1
     with EmulatedHosts(2, subnet=SUBNET, rate=args.rate) as hosts:
-        env = mpi_env({"PYTHONPATH": str(ROOT), "PLAIT_BENCH_MASTER": hosts.address(hosts.hosts[0])})
+        # one BLAS thread per rank, as torch and TensorFlow get one each: the ranks share 2
+        # cores unbound, and numpy's OpenBLAS (a lossy compressor's host op in a TensorFlow
+        # graph) would spin 2 threads each (PowerSGD in one tf.function: 356 -> 100 ms a step)
+        env = mpi_env({"PYTHONPATH": str(ROOT), "PLAIT_BENCH_MASTER": hosts.address(hosts.hosts[0]),
+                       "OPENBLAS_NUM_THREADS": "1"})
         env["PATH"] = f"{hosts.bin_dir}:{env['PATH']}"
         inner = max(30, int(args.timeout) - 15)
         argv = ["mpirun", "--allow-run-as-root", "-np", "2", "--hostfile", hosts.hostfile,
                 *hosts.mpirun_args(), "--timeout", str(inner), "--bind-to", "none",
-                *[a for v in ("PATH", "PYTHONPATH", "PLAIT_BENCH_MASTER", "OMPI_MCA_mpi_yield_when_idle",
+                *[a for v in ("PATH", "PYTHONPATH", "PLAIT_BENCH_MASTER", "OPENBLAS_NUM_THREADS",
+                              "OMPI_MCA_mpi_yield_when_idle",
                               "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL", "GLOO_SOCKET_IFNAME")
                   for a in ("-x", v)],
                 sys.executable, str(Path(__file__).resolve()), "--worker", "1", "--out", args.out,

@@ -13,9 +13,9 @@ It runs compensate -> compress -> update memory -> send -> decompress:
   ``compressor.combine``.
 
 Works for numpy, torch and TensorFlow tensors on the MPI and Horovod
-communicators. Lossy compressors run eagerly; the ``graph_safe`` ones (none,
-fp16, bf16, with no error feedback) also run inside ``tf.function``, where
-traffic is not counted.
+communicators. Inside ``tf.function`` the ``graph_safe`` ones (none, fp16,
+bf16, with no error feedback) become graph ops (their traffic is not counted);
+every other compressor runs the whole call in one host op of the graph.
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ def compressed_allreduce(
 
     Raises:
         ConfigError: for an empty or non-string name.
-        PlaitTypeError: for a tensor the compressor cannot encode (e.g. integers), or a
-            symbolic TensorFlow tensor with a compressor or memory that needs eager tensors.
+        PlaitTypeError: for a tensor the compressor cannot encode (e.g. integers; inside
+            ``tf.function``, a lossy compressor takes float16/32/64 only).
     """
     if not isinstance(name, str) or not name:
         raise invalid("name", name, "a non-empty str naming the tensor (the same on every rank)")
@@ -78,10 +78,7 @@ def compressed_allreduce(
     ops = ops_for(tensor)
     symbolic = ops.is_symbolic(tensor)
     if symbolic and not (getattr(compressor, "graph_safe", False) and isinstance(memory, NoMemory)):
-        raise PlaitTypeError(
-            f"compressed_allreduce of {name!r}: {compressor!r} with {memory!r} needs eager tensors; "
-            "inside tf.function only NoneCompressor, FP16 and BF16 without memory work"
-        )
+        return _on_host(comm, ops, tensor, name, compressor, memory, average, stats)
     compensated = getattr(memory, "compensate_in_place", memory.compensate)(tensor, name)
     if isinstance(compressor, Exchanger):
         payload, ctx, sent = compressor.exchange(comm, compensated, name, average)
@@ -99,6 +96,33 @@ def compressed_allreduce(
         for sink in {id(s): s for s in (stats, getattr(compressor, "stats", None)) if s is not None}.values():
             sink.record(name, sent, nbytes(tensor))
     return result
+
+
+def _on_host(comm: Communicator, ops: Any, tensor: Tensor, name: str, compressor: Compressor,
+             memory: Memory, average: bool, stats: WireStats | None) -> Tensor:
+    """:func:`compressed_allreduce` of a symbolic TensorFlow tensor (inside ``tf.function``,
+    Keras ``model.fit``) by a compressor that picks data-dependent sizes (top-k, PowerSGD,
+    any with error feedback): one host op of the graph runs the whole call on the
+    tensor's numpy value, ordered among the graph's other collectives as they are (see
+    :mod:`plait.collectives.graph_order`); its memory and state live on the host across
+    the graph's runs, as in eager steps.
+
+    Raises:
+        PlaitTypeError: for a dtype other than float16, float32 and float64.
+    """
+    from plait.collectives.graph_order import ordered
+
+    dtype = ops.dtype_name(tensor)
+    if dtype not in ("float16", "float32", "float64"):
+        raise PlaitTypeError(
+            f"compressed_allreduce of {name!r}: {compressor!r} with {memory!r} inside tf.function "
+            f"takes float16, float32 or float64 tensors, not {dtype}")
+
+    def host(value: np.ndarray) -> np.ndarray:
+        out = compressed_allreduce(comm, value, name, compressor, memory, average, stats=stats)
+        return np.asarray(out, dtype=value.dtype)
+
+    return ops.host_call(ordered(comm, host), [tensor], tensor)
 
 
 def exchange_payload(
