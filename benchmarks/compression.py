@@ -385,7 +385,8 @@ def _write(args: Any, rows: list[dict[str, Any]], steps: int, warmup: int, size:
           "the gradients and the SGD update each a `tf.function`, `reduce_gradients(compression=, "
           "memory=)` eagerly between them, or (tf.function) the whole step with "
           "`DistributedGradientTape` in one (a lossy compressor in a host op); wire MiB = "
-          "WireStats bytes this rank handed to collectives; tx MiB = rank 0's eth0 tx_bytes per step (all traffic, both phases of "
+          "WireStats bytes this rank handed to collectives; tx MiB = rank 0's eth0 tx_bytes per "
+          "step (all traffic, both phases of "
           f"a ring allreduce). {load_note()}.\n\n"
           + md_table(["backend", "compression", "ms/step", "speedup", "wire MiB/step", "ratio",
                       "tx MiB/step", "accuracy %", "vs uncompressed"], table)
