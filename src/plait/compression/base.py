@@ -108,7 +108,9 @@ class Compressor(ABC):
         summable: payloads of different ranks may be summed by an allreduce.
         ragged: payload lengths may differ between ranks (allgather path only);
             the exchange then first gathers the lengths.
-        graph_safe: usable on symbolic TensorFlow tensors (inside ``tf.function``).
+        graph_safe: encodes symbolic TensorFlow tensors as graph ops (inside
+            ``tf.function``; the others run there in a host op, see
+            :func:`~plait.compression.compressed_allreduce`).
         elementwise: a summable payload whose every element depends only on the same
             element of the tensor (the casts): how tensors are grouped into one
             compressed tensor cannot change the result, so a data-parallel reducer
