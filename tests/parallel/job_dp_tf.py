@@ -234,7 +234,7 @@ def test_keras_fit_with_lossy_compression_and_error_feedback(comm, kind):
     x, y = digits()
     x, y = x[comm.rank :: comm.size][:200], y[comm.rank :: comm.size][:200]
     weights = {}
-    for eager in (False, True):
+    for eager in (False, True) if kind == "topk" else (False,):
         compressor = TopK(0.05) if kind == "topk" else PowerSGD(2)
         stats = WireStats()
         compressor.count_into(stats)
