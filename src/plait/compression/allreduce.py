@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from plait.adapters import ops_for
+from plait.collectives.graph_order import ordered
 from plait.errors import PlaitTypeError, invalid
 from plait.protocols import Communicator, Tensor
 
@@ -110,8 +111,6 @@ def _on_host(comm: Communicator, ops: Any, tensor: Tensor, name: str, compressor
     Raises:
         PlaitTypeError: for a dtype other than float16, float32 and float64.
     """
-    from plait.collectives.graph_order import ordered
-
     dtype = ops.dtype_name(tensor)
     if dtype not in ("float16", "float32", "float64"):
         raise PlaitTypeError(
