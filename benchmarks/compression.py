@@ -407,7 +407,7 @@ def _outer(args: Any) -> int:
     with EmulatedHosts(2, subnet=SUBNET, rate=args.rate) as hosts:
         # one BLAS thread per rank, as torch and TensorFlow get one each: the ranks share 2
         # cores unbound, and numpy's OpenBLAS (a lossy compressor's host op in a TensorFlow
-        # graph) would spin 2 threads each (PowerSGD in one tf.function: 356 -> 100 ms a step)
+        # graph) would spin 2 threads each (PowerSGD in one tf.function: 356 -> 104 ms a step)
         env = mpi_env({"PYTHONPATH": str(ROOT), "PLAIT_BENCH_MASTER": hosts.address(hosts.hosts[0]),
                        "OPENBLAS_NUM_THREADS": "1"})
         env["PATH"] = f"{hosts.bin_dir}:{env['PATH']}"

@@ -466,7 +466,7 @@ def test_compressed_allreduce_inside_tf_function():
 
 
 @pytest.mark.parametrize("kind", sorted(LOSSY))
-def test_lossy_compressors_with_memory_inside_tf_function_equal_eager_steps(kind):
+def test_lossy_compressors_with_memory_inside_tf_function_equal_their_numpy_steps(kind):
     """Inside ``tf.function`` (as under Keras ``model.fit``) a lossy compressor and its error
     feedback run on the host: step after step, what they give on the numpy arrays."""
     import tensorflow as tf

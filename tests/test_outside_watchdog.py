@@ -149,7 +149,7 @@ def test_bracketed_graph_ops_are_disarmed_before_the_graph_returns() -> None:
     every run of a ``tf.function`` (also each iteration of a loop in it), before the call
     returns, though the outputs do not wait for the disarm; in a TensorFlow 1 graph,
     fetching the outputs runs it."""
-    tf = pytest.importorskip("tensorflow")
+    import tensorflow as tf
     from plait.adapters.tensorflow import bracketed
 
     events: list[str] = []
