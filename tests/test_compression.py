@@ -305,6 +305,32 @@ def test_torch_products_equal_numpy_in_every_layout(n, m, r):
         np.testing.assert_allclose(arr(out), exact(p, q), rtol=1e-5, atol=1e-5)
 
 
+def test_numpy_pooled_products_and_scatters_equal_the_plain_ops_and_keep_held_results():
+    """numpy's pooled forms (PowerSGD's decode, the sparse decode: also what a TensorFlow
+    graph's host op runs) give the plain ops' results, into a buffer nobody else holds."""
+    from plait.adapters.numpy import OPS
+    from plait.collectives.pool import BufferPool
+
+    pool = BufferPool(min_bytes=0)
+    p, q = normal((7, 3), seed=5), normal((3, 11), seed=6)
+    first = OPS.matmul_pooled(p, q, pool)
+    np.testing.assert_array_equal(first, OPS.matmul(p, q))
+    second = OPS.matmul_pooled(2 * p, q, pool)  # the first is held: another buffer
+    np.testing.assert_array_equal(first, OPS.matmul(p, q))
+    np.testing.assert_array_equal(second, OPS.matmul(2 * p, q))
+    at, values = np.array([4, 0, 4, 9]), np.array([1.5, -2.0, 0.25, 3.0], np.float32)
+    held = OPS.scatter_pooled(at, values, 10, pool)
+    np.testing.assert_array_equal(held, OPS.scatter(at, values, 10))
+    again = OPS.scatter_pooled(at[:2], values[:2], 10, pool)
+    np.testing.assert_array_equal(held, OPS.scatter(at, values, 10))
+    np.testing.assert_array_equal(again, OPS.scatter(at[:2], values[:2], 10))
+    address = held.ctypes.data
+    del held
+    reused = OPS.scatter_pooled(at[2:], values[2:], 10, pool)  # a released buffer, zeroed
+    assert reused.ctypes.data == address
+    np.testing.assert_array_equal(reused, OPS.scatter(at[2:], values[2:], 10))
+
+
 @pytest.mark.parametrize("average", [True, False])
 @pytest.mark.parametrize("kind", ["qsgd", "terngrad"])
 def test_pooled_decode_of_scaled_codes_equals_decoding_each_rank(kind, average):
