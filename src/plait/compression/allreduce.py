@@ -30,7 +30,7 @@ from plait.collectives.graph_order import ordered
 from plait.errors import PlaitTypeError, invalid
 from plait.protocols import Communicator, Tensor
 
-from .base import Compressor, Exchanger, nbytes
+from .base import FLOATS, Compressor, Exchanger, nbytes
 from .cast import NoneCompressor
 from .memory import Memory, NoMemory
 from .stats import WireStats
@@ -69,8 +69,7 @@ def compressed_allreduce(
 
     Raises:
         ConfigError: for an empty or non-string name.
-        PlaitTypeError: for a tensor the compressor cannot encode (e.g. integers; inside
-            ``tf.function``, a lossy compressor takes float16/32/64 only).
+        PlaitTypeError: for a tensor the compressor cannot encode (e.g. integers).
     """
     if not isinstance(name, str) or not name:
         raise invalid("name", name, "a non-empty str naming the tensor (the same on every rank)")
@@ -109,13 +108,13 @@ def _on_host(comm: Communicator, ops: Any, tensor: Tensor, name: str, compressor
     the graph's runs, as in eager steps.
 
     Raises:
-        PlaitTypeError: for a dtype other than float16, float32 and float64.
+        PlaitTypeError: for a tensor that is not floating (checked when the graph is built).
     """
     dtype = ops.dtype_name(tensor)
-    if dtype not in ("float16", "float32", "float64"):
+    if dtype not in FLOATS:
         raise PlaitTypeError(
-            f"compressed_allreduce of {name!r}: {compressor!r} with {memory!r} inside tf.function "
-            f"takes float16, float32 or float64 tensors, not {dtype}")
+            f"compressed_allreduce of {name!r}: {compressor!r} with {memory!r} compresses "
+            f"floating tensors ({', '.join(FLOATS)}), not {dtype}")
 
     def host(value: np.ndarray) -> np.ndarray:
         out = compressed_allreduce(comm, value, name, compressor, memory, average, stats=stats)
