@@ -113,31 +113,34 @@ class _Distributed:
 
         scale, strides = self._plait_predivide, self._plait_strides
         fresh = self._plait_reducer.fresh
-        with torch.no_grad():
-            for specs, fused in self._plait_reducer.finish_buckets(missing):
-                if isinstance(fused, list):  # one grouped allreduce: the gradients themselves
-                    for spec, grad in zip(specs, fused):
-                        params[spec.name].grad = grad * scale if scale != 1.0 else grad
-                    continue
-                if scale != 1.0:
-                    fused = fused * scale
-                ps = [params[spec.name] for spec in specs]
-                # a plain allreduce's result, or plait's decompression, is a new tensor (never
-                # the fused buffer), and a pooled one is not reused while .grad views it; one
-                # bucket, one dtype
-                if (fresh and fused.dtype == ps[0].dtype and fused.device == ps[0].device
-                        and fused.is_contiguous()):
-                    # each .grad a view at its offset, by one kind of call for every bucket:
-                    # the first call of each operation in a step costs ~20 us here (README)
-                    at = fused.storage_offset()
-                    for p, spec in zip(ps, specs):
-                        p.grad = fused.as_strided(spec.shape, strides[spec.name], at)
-                        at += spec.numel
-                    continue
-                if len(specs) == 1:  # its own shape, or flat
-                    parts = [fused]
-                else:
-                    parts = list(fused.reshape(-1).split_with_sizes([s.numel for s in specs]))
+        # torch.no_grad() only around copies: making views of a result that requires no
+        # grad records nothing, and entering it cost ~20 us of a step
+        for specs, fused in self._plait_reducer.finish_buckets(missing):
+            if isinstance(fused, list):  # one grouped allreduce: the gradients themselves
+                for spec, grad in zip(specs, fused):
+                    params[spec.name].grad = grad * scale if scale != 1.0 else grad
+                continue
+            if scale != 1.0:
+                fused = fused * scale
+            first = params[specs[0].name]
+            # a plain allreduce's result, or plait's decompression, is a new tensor (never
+            # the fused buffer), and a pooled one is not reused while .grad views it; one
+            # bucket, one dtype and device (get_device: an int, -1 on the CPU)
+            if (fresh and fused.dtype == first.dtype and fused.get_device() == first.get_device()
+                    and fused.is_contiguous()):
+                # each .grad a view at its offset, by one kind of call for every bucket:
+                # the first call of each operation in a step costs ~20 us here (README)
+                at = fused.storage_offset()
+                for spec in specs:
+                    params[spec.name].grad = fused.as_strided(spec.shape, strides[spec.name], at)
+                    at += spec.numel
+                continue
+            ps = [params[spec.name] for spec in specs]
+            if len(specs) == 1:  # its own shape, or flat
+                parts = [fused]
+            else:
+                parts = list(fused.reshape(-1).split_with_sizes([s.numel for s in specs]))
+            with torch.no_grad():
                 for p, part, spec in zip(ps, parts, specs):
                     grad = part.reshape(spec.shape)
                     if p.grad is None or p.grad.is_sparse or p.grad.dtype != grad.dtype:
