@@ -73,6 +73,7 @@ class Bucket:
     index: int
     specs: list[GradSpec]
     grads: dict[str, Tensor] = field(default_factory=dict)
+    name: str = ""  # its collectives' name (the reducer's prefix and the index)
     handle: Handle | None = None
     compressed: Tensor | None = None
 
@@ -215,7 +216,8 @@ class GradientReducer:
 
     def _plan(self, mb: float) -> None:
         self.bucket_mb = mb
-        self.buckets = [Bucket(i, b) for i, b in enumerate(plan_buckets(self._specs, mb * 2**20))]
+        self.buckets = [Bucket(i, b, name=f"{self.prefix}.{i}")
+                        for i, b in enumerate(plan_buckets(self._specs, mb * 2**20))]
         self._where = {s.name: b for b in self.buckets for s in b.specs}
         self._verified = False
 
@@ -251,13 +253,13 @@ class GradientReducer:
             self._next += 1
 
     def _start(self, bucket: Bucket) -> None:
-        name = f"{self.prefix}.{bucket.index}"
-        comm = self._fast if self._verified and self._fast is not None else self.comm
-        if comm is self._fast and hasattr(comm, "timeout"):  # the caller's timeout, also
-            comm.timeout = self.comm.timeout  # type: ignore[attr-defined]  # when changed later
-        if (comm is self._fast and bucket.index == 0 and self._join_key is not None
-                and not self._serving):
-            self._notice = self.comm.step_notice(self._join_key)  # type: ignore[attr-defined]
+        name, fast = bucket.name, self._fast
+        comm = fast if self._verified and fast is not None else self.comm
+        if comm is fast:
+            if hasattr(comm, "timeout"):  # the caller's timeout, also when changed later
+                comm.timeout = self.comm.timeout  # type: ignore[attr-defined]
+            if bucket.index == 0 and self._join_key is not None and not self._serving:
+                self._notice = self.comm.step_notice(self._join_key)  # type: ignore[attr-defined]
         if self._group and self._plain:
             grads = [bucket.grads[s.name] for s in bucket.specs]
             handle = comm.group_allreduce_async(grads, op=self.op, name=name)  # type: ignore[attr-defined]
