@@ -82,12 +82,14 @@ class _Distributed:
     def _plait_fuse(self, bucket: Bucket) -> torch.Tensor:
         """The bucket's gradients copied into one flat buffer. On the CPU it comes from a
         pool (no step faults in fresh pages; a buffer something still refers to is not
-        reused). A bucket of one gradient is that gradient, flat: it is reduced (or cast)
-        out of place, so it needs no copy (a 1 MiB gradient: ~30 us a bucket)."""
-        grads = [bucket.grads[s.name].reshape(-1) for s in bucket.specs]
-        if len(grads) == 1:
-            return grads[0]
-        numel = sum(s.numel for s in bucket.specs)
+        reused). A bucket of one gradient is that gradient, in its own shape: it is reduced
+        (or cast) out of place, so it needs no copy (a 1 MiB gradient: ~30 us a bucket), nor
+        a flat view (~5 us a bucket, in a step)."""
+        specs = bucket.specs
+        if len(specs) == 1:
+            return bucket.grads[specs[0].name]  # type: ignore[no-any-return]
+        grads = [bucket.grads[s.name].reshape(-1) for s in specs]
+        numel = sum(s.numel for s in specs)
         first = grads[0]
         if first.device.type == "cpu":
             buf = pooled_empty(self._plait_pool, numel, first.dtype)
