@@ -130,6 +130,9 @@ class _Distributed:
             # bucket, one dtype and device (get_device: an int, -1 on the CPU)
             if (fresh and fused.dtype == first.dtype and fused.get_device() == first.get_device()
                     and fused.is_contiguous()):
+                if len(specs) == 1 and fused.shape == specs[0].shape:
+                    first.grad = fused  # one gradient, reduced in its own shape (see _plait_fuse)
+                    continue
                 # each .grad a view at its offset, by one kind of call for every bucket:
                 # the first call of each operation in a step costs ~20 us here (README)
                 at = fused.storage_offset()
