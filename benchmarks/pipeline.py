@@ -156,6 +156,48 @@ def floors(rt: Any, actions: Any, inputs: Any, m: int, shape: tuple[int, int],
     return max(x[0] for x in slowest), max(x[1] for x in slowest)
 
 
+def _spin(seconds: float) -> None:
+    """Keep the CPU busy (in Python, as a stage's compute would) for ``seconds``."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def cold_receive(world: Any, computes: list[float], reps: int) -> list[dict[str, Any]]:
+    """Median seconds rank 0 takes to receive a 32 KiB message that rank 1 sent while rank 0
+    computed (spun) ``c`` seconds, for each ``c`` of ``computes``: with raw mpi4py
+    (``Irecv`` + ``Wait``) and through plait's communicator (``recv_async`` + ``wait``, as
+    the pipeline runtime receives), each into a new buffer. What one message costs on the
+    critical path after a stage's compute; only ranks 0 and 1 take part."""
+    import numpy as np
+
+    comm = world.split(0, world.rank)
+    raw, r = comm.comm, world.rank
+    payload, like = np.ones(8192, np.float32), np.empty(8192, np.float32)
+    rows = []
+    for c in computes:
+        took: dict[str, list[float]] = {"raw": [], "plait": []}
+        for it in range(2 * reps):
+            way = "raw" if it % 2 else "plait"
+            comm.barrier()
+            if r == 1:
+                req = raw.Isend(payload, 0, 7)
+                _spin(c + 5e-4)
+                req.Wait()
+            elif r == 0:
+                _spin(c)  # the message arrives meanwhile
+                start = time.perf_counter()
+                if way == "raw":  # into a new buffer, as the runtime's (it keeps them)
+                    raw.Irecv(np.empty_like(like), 1, 7).Wait()
+                else:
+                    comm.recv_async(like, 1, 7).wait()
+                took[way].append(time.perf_counter() - start)
+        if r == 0:
+            rows.append({"compute_s": c, "raw_s": statistics.median(took["raw"]),
+                         "plait_s": statistics.median(took["plait"])})
+    return rows
+
+
 def sleeping(world: Any, grid: list[int], steps: int, total: float) -> list[dict[str, Any]]:
     """Bubble of the runtime driving stages that sleep: forward + backward of the whole batch
     sleep ``total`` seconds on every rank. The bubble is measured like the model's, from the
@@ -262,16 +304,21 @@ def worker(args: Any) -> None:
                               for i, k in enumerate(("compute_s", "send_s", "wait_s"))}
                              for r in range(p)],
             })
-    sleep_rows = sleeping(world, grid, steps, 0.006 if args.smoke else 0.06)
+    # a short step (the messages' cost shows) and one of 0.6 s (6-19 ms of compute per
+    # micro-batch at M=32, closer to what a model that needs a pipeline computes)
+    sleep_rows = [row for total in ([0.006] if args.smoke else [0.06, 0.6])
+                  for row in sleeping(world, grid, steps, total)]
+    cold = cold_receive(world, [1e-4, 1e-3, 6e-3, 12.5e-3], 3 if args.smoke else 40)
     naive = next(r for r in rows if r["schedule"] == "gpipe" and r["microbatches"] == 1)
     for r in rows:
         r["speedup_vs_naive"] = r["samples_per_s"] / naive["samples_per_s"]
     if world.rank == 0:
-        write(rows, args, width, layers, mem, sleep_rows)
+        write(rows, args, width, layers, mem, sleep_rows, cold)
 
 
 def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int,
-          mem: list[dict[str, Any]], sleep_rows: list[dict[str, Any]]) -> None:
+          mem: list[dict[str, Any]], sleep_rows: list[dict[str, Any]],
+          cold: list[dict[str, Any]]) -> None:
     """Rank 0: the JSON and markdown results."""
     p, batch = rows[0]["stages"], rows[0]["batch"]
     mib = 2.0 ** 20
@@ -291,14 +338,18 @@ def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int,
           "; ".join(f"{1e3 * q['compute_s']:.0f} / {1e3 * q['send_s']:.1f} / {1e3 * q['wait_s']:.0f}"
                     for q in r["per_rank"])] for r in rows])
     sleep_table = md_table(
-        ["schedule", "M", "step ms", "bubble measured", "bubble theory", "measured / theory",
+        ["compute ms", "schedule", "M", "step ms", "bubble measured", "bubble theory", "measured / theory",
          "theory's idle ms", "no compute ms: runtime / raw mpi4py",
          "compute / send / wait / other ms per rank"],
-        [[r["schedule"], r["microbatches"], f"{1e3 * r['step_s']:.1f}", f"{r['bubble_measured']:.3f}",
+        [[f"{1e3 * r['total_s']:.0f}", r["schedule"], r["microbatches"], f"{1e3 * r['step_s']:.1f}",
+          f"{r['bubble_measured']:.3f}",
           f"{r['bubble_theory']:.3f}", f"{r['bubble_measured'] / r['bubble_theory']:.2f}",
           f"{1e3 * idle(r):.2f}", f"{1e3 * r['no_compute_s']:.2f} / {1e3 * r['no_compute_raw_mpi_s']:.2f}",
           "; ".join(f"{1e3 * q['compute_s']:.1f} / {1e3 * q['send_s']:.1f} / {1e3 * q['wait_s']:.1f} / "
                     f"{1e3 * q['other_s']:.1f}" for q in r["per_rank"])] for r in sleep_rows])
+    cold_table = md_table(["compute before the receive ms", "raw mpi4py µs", "plait µs"],
+                          [[f"{1e3 * c['compute_s']:g}", f"{1e6 * c['raw_s']:.1f}",
+                            f"{1e6 * c['plait_s']:.1f}"] for c in cold])
     markdown = (
         f"# Pipeline parallelism\n\ntorch MLP ({layers} x Linear({width}) + Tanh), P={p} ranks"
         f"{where(args, p)}, batch {batch}{' (quick)' if args.quick else ''}; {load_note()}. "
@@ -309,8 +360,8 @@ def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int,
         f"device, each rank materialising only its stages (Adam: parameter, gradient and two "
         f"moments, 16 bytes per parameter), one training step; peak RSS from getrusage.\n\n"
         f"{mem_table}\n\n## The runtime alone: stages that sleep\n\nThe same schedules driving stages "
-        f"whose forward and backward sleep ({1e3 * sleep_rows[0]['total_s']:.0f} ms of forward + "
-        f"backward per rank and step, split over the micro-batches; activations of the same "
+        f"whose forward and backward sleep (compute ms: forward + backward per rank and step, "
+        f"split over the micro-batches; activations of the same "
         f"shapes travel). The bubble is measured as above, from the runtime's timers (a sleep's "
         f"overshoot, about 0.1 ms on this VM, counts as compute); beyond theory it is the runtime's "
         f"and the messages' cost plus the wake-up latency, whatever CPU the compute would get. "
@@ -318,11 +369,17 @@ def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int,
         f"time each rank idles per step in theory; no compute = the same schedule with stages that "
         f"return at once, through the runtime and with raw mpi4py (each message posted when its "
         f"action comes, receives polled): what the messages alone cost a step. Within 1.15x of "
-        f"theory, a step may spend 0.15 x theory's idle on them.\n\n{sleep_table}")
+        f"theory, a step may spend 0.15 x theory's idle on them.\n\n{sleep_table}\n\n"
+        f"## One message after a stage's compute\n\nRank 0 receives a 32 KiB message that rank 1 "
+        f"sent while rank 0 computed (spun in Python) for the given time: median µs from posting "
+        f"the receive to its end, raw mpi4py (`Irecv` + `Wait`) and plait's communicator "
+        f"(`recv_async` + `wait`, as the runtime receives), each into a new buffer, "
+        f"alternating.\n\n{cold_table}")
     write_results(args.out, "pipeline", rows, markdown,
                   meta=meta(quick=args.quick, width=width, blocks=layers, model="torch MLP",
                             link=where(args, p).strip(" ,") or "shared memory (one host)",
-                            versions=versions(), memory=mem), sleeping=sleep_rows)
+                            versions=versions(), memory=mem), sleeping=sleep_rows,
+                  cold_receive=cold)
 
 
 def idle(row: dict[str, Any]) -> float:

@@ -233,6 +233,9 @@ def test_pipeline_benchmark_has_every_row(pipeline_results: tuple[Path, dict[str
                                                                                   ("1f1b", 1)}
     for r in data["sleeping"]:
         assert r["no_compute_s"] > 0 and r["no_compute_raw_mpi_s"] > 0
+    # one message received after each length of compute, raw and through plait
+    assert [c["compute_s"] for c in data["cold_receive"]] == [1e-4, 1e-3, 6e-3, 12.5e-3]
+    assert all(c["raw_s"] > 0 and c["plait_s"] > 0 for c in data["cold_receive"])
 
 
 def test_tensor_benchmark_has_every_row(tmp_path: Path) -> None:
