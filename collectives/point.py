@@ -38,7 +38,7 @@ class Point:
         tag: The message's tag.
         data: The numpy buffer MPI reads (a send) or writes (a receive).
         keep: The caller's tensor (a send's, kept alive until sent) or a receive's ``like``.
-        ops: The adapter of ``keep``.
+        ops: The adapter of ``keep``; None for a numpy array.
         receive: Whether this is a receive.
     """
 
@@ -46,7 +46,7 @@ class Point:
                  "complete", "_result", "_finished")
 
     def __init__(self, comm: MPICommunicator, req: Any, peer: int, tag: int, data: np.ndarray,
-                 keep: Any, ops: TensorOps, receive: bool = False) -> None:
+                 keep: Any, ops: TensorOps | None, receive: bool = False) -> None:
         self._comm, self._req, self.peer, self.tag = comm, req, peer, tag
         self._data: np.ndarray | None = data
         self._keep, self._ops = keep, ops
@@ -100,8 +100,11 @@ class Point:
         """The received tensor, like ``like`` (a numpy ``like``'s buffer has its dtype)."""
         got = "more" if self.error is not None else status.Get_count(MPI.BYTE)
         if got != data.nbytes:
+            dtype = data.dtype.name if self._ops is None else self._ops.dtype_name(self._keep)
             raise MismatchError(
                 f"{self._comm!r}: recv from rank {self.peer} (tag {self.tag}) expected "
-                f"{data.nbytes} bytes (shape {data.shape}, {self._ops.dtype_name(self._keep)}) "
+                f"{data.nbytes} bytes (shape {data.shape}, {dtype}) "
                 f"but the message has {got}")
-        return data if type(self._keep) is np.ndarray else self._ops.from_numpy(data, self._keep)
+        if self._ops is None:  # a numpy ``like``
+            return data
+        return self._ops.from_numpy(data, self._keep)
