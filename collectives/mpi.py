@@ -313,6 +313,8 @@ class MPICommunicator(CommunicatorBase):
         self._pool = BufferPool()  # outputs, reused once nobody holds them
         self._plans: dict[tuple[Any, ...], _Plan] = {}  # see _allreduce_plan
         self._sigs: dict[tuple[Any, ...], _Sig] = {}  # see _sig
+        # the last header rows checked and their leading numbers, read once (see _heads)
+        self._checked: tuple[np.ndarray | None, list[list[int]]] = (None, [])
         self._alltoalls: dict[tuple[Any, ...], _Alltoall] = {}  # see _alltoall_plan
         self._scatters: dict[tuple[Any, ...], _Scatter] = {}  # see _scatter_plan
         self._watchdog = Watchdog(self._stuck, name=f"plait-watchdog-{self.rank}")
@@ -645,6 +647,7 @@ class MPICommunicator(CommunicatorBase):
         # a few rows of three numbers: plain Python is faster than numpy here (every
         # collective passes through; measured ~5 us less per call)
         heads = rows.view(np.int64)[:, :3].tolist()
+        self._checked = (rows, heads)
         first = heads[0][0] & _DIGEST
         if all(head[0] & _DIGEST == first and head[2] != JOINED for head in heads):
             return rows  # the usual case: one digest, nobody joined
@@ -665,7 +668,16 @@ class MPICommunicator(CommunicatorBase):
         one rank waits for an asynchronous collective (Horovod lets ranks mix
         ``allreduce`` and ``allreduce_async``), all take the nonblocking call. A joined
         rank's row always asks (it follows the others)."""
-        return all(first & _BLOCK for first in rows.view(np.int64)[:, 0].tolist())
+        return all(head[0] & _BLOCK for head in self._heads(rows))
+
+    def _heads(self, rows: np.ndarray) -> list[list[int]]:
+        """``[digest, number, role]`` of every rank's header row in ``rows``, as
+        :meth:`_header_check` read them when it checked these rows (each read of a few
+        numbers from numpy costs ~1 us)."""
+        checked, heads = self._checked
+        if checked is rows:
+            return heads
+        return rows.view(np.int64)[:, :3].tolist()  # type: ignore[no-any-return]
 
     def serve_joined(self, step: Callable[[], Any]) -> int:
         """Register a gradient reducer's step for ranks that joined (see :meth:`join`):
@@ -989,7 +1001,7 @@ class MPICommunicator(CommunicatorBase):
         sig = self._sig("allgather", buf.shape, dtype, name=name, block=want)
         rows = self._head(sig, buf.shape[0], mine if mine.size <= SLOT else None)
         # plain Python on a few numbers (numpy's reductions cost ~3 us each here)
-        numbers = rows.view(np.int64)[:, 1].tolist()
+        numbers = [head[1] for head in self._heads(rows)]
         g = sig.gathered
         if g is None or numbers != g.numbers:  # a loop gathers alike: kept from the last call
             row_bytes = math.prod(buf.shape[1:]) * buf.itemsize
