@@ -101,6 +101,35 @@ def test_gradient_tape_matches_serial(comm, graph, bucket_mb):
     np.testing.assert_allclose(flat(dist), flat(serial), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("sparse_as_dense", [False, True], ids=["allgathered", "dense"])
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_gradient_tape_reduces_an_embeddings_sparse_gradient(comm, graph, sparse_as_dense):
+    """An embedding's gradient (tf.IndexedSlices) is allgathered and stays IndexedSlices, as
+    Horovod's tape leaves it (dense with sparse_as_dense); either way its value, and the
+    dense layer's, is the average of every rank's own gradient."""
+    keras.utils.set_random_seed(0)
+    m = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(20, 4),
+                          keras.layers.Flatten(), keras.layers.Dense(5)])
+    r = comm.rank
+    tokens = tf.constant([[r, r + 1, 7], [2 * r % 20, 3, r]], tf.int32)
+    labels = tf.constant([r % 5, 1])
+
+    def gradients(distributed: bool):
+        with tf.GradientTape() as tape:
+            loss = LOSS(labels, m(tokens))
+        if distributed:
+            tape = DistributedGradientTape(tape, comm, sparse_as_dense=sparse_as_dense)
+        return tape.gradient(loss, m.trainable_variables)
+
+    own = [tf.convert_to_tensor(g).numpy() for g in gradients(False)]
+    got = (tf.function(gradients) if graph else gradients)(True)
+    assert isinstance(got[0], tf.IndexedSlices) is not sparse_as_dense, type(got[0])
+    for mine, reduced in zip(own, got):
+        everyone = np.asarray(comm.allgather(mine[None]))
+        np.testing.assert_allclose(tf.convert_to_tensor(reduced).numpy(), everyone.mean(0),
+                                   rtol=1e-6, atol=1e-7)
+
+
 def accumulation_training(comm, graph: bool, distributed: bool, passes: int, steps: int = 10,
                           bucket_mb: float = DEFAULT_BUCKET_MB) -> keras.Model:
     """Custom loop through ``apply_gradients``: ``passes`` local passes per step on each

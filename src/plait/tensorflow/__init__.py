@@ -485,7 +485,10 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's name
     for ``tf.Variable`` and Keras 3 variables, eagerly and inside ``tf.function``.
 
     The signature is Horovod 0.28's (no gradient accumulation, as there), plus plait's
-    keyword-only ``bucket_mb`` and ``memory``. Gradients are always reduced dense; the
+    keyword-only ``bucket_mb`` and ``memory``. As in Horovod, a ``tf.IndexedSlices``
+    gradient (an embedding's) is allgathered and stays ``tf.IndexedSlices`` unless
+    ``sparse_as_dense`` (then, and with an error-feedback ``memory`` or a predivide
+    factor, it is reduced dense; Horovod does not compress it either); the
     device arguments have no effect; ``groups`` is validated but fusion follows
     ``bucket_mb``. As Horovod's, the tape has ``register_local_source(variable)`` (that
     gradient stays local) and ``get_local_and_global_gradients``.
@@ -495,7 +498,7 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's name
         device_dense: no effect.
         device_sparse: no effect.
         compression: ``Compression.none``/``fp16``/``bf16`` or any plait compressor.
-        sparse_as_dense: no effect (always dense).
+        sparse_as_dense: reduce ``tf.IndexedSlices`` gradients as dense tensors.
         op: Average (default), Sum or Adasum (Horovod backend).
         gradient_predivide_factor: divide before the sum, multiply after.
         num_groups: deprecated form of ``groups``.
@@ -520,7 +523,7 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's name
     return tf_optim.DistributedGradientTape(
         gradtape, _F.comm(process_set), op=op, compression=compressor, memory=memory,
         bucket_mb=bucket_mb, gradient_predivide_factor=gradient_predivide_factor,
-        scale_local_gradients=scale_local_gradients)
+        scale_local_gradients=scale_local_gradients, sparse_as_dense=sparse_as_dense)
 
 
 class _OutsideSetTape(tf_optim.DistributedGradientTape):
@@ -581,7 +584,7 @@ def PartialDistributedGradientTape(  # noqa: N802 - Horovod's name
         device_dense: no effect.
         device_sparse: no effect.
         compression: as :func:`DistributedGradientTape`.
-        sparse_as_dense: no effect (always dense).
+        sparse_as_dense: reduce ``tf.IndexedSlices`` gradients as dense tensors.
         op: Average (default), Sum or Adasum (Horovod backend).
         gradient_predivide_factor: divide before the sum, multiply after.
         num_groups: deprecated form of ``groups``.
