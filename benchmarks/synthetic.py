@@ -31,6 +31,10 @@ fp16 only); a backend without it is left out of the table with a note.
 Each rank computes with one thread (2 ranks share 2 cores here). The report gives
 plait's ratio to real Horovod and to DDP, measured in the same run.
 
+``--framework tensorflow`` (or ``synthetic_tf.py``) runs the same models in Keras 3
+on ``plait-mpi``, ``plait-horovod``, ``horovod`` and ``tf-mwms``
+(``MultiWorkerMirroredStrategy``), see ``synthetic_tf.py``.
+
 Run: ``python benchmarks/synthetic.py [--quick] [--model resnet,transformer] [--backend ...]
 [--rate 1gbit]`` (``--rate``: across 2 emulated hosts on a link of that rate, as root);
 one backend by hand: ``mpirun -np 2 python benchmarks/synthetic.py --worker plait-mpi``.
@@ -63,6 +67,8 @@ from _common import (
     versions,
     write_results,
 )
+from synthetic_tf import BACKENDS as TF_BACKENDS
+from synthetic_tf import PEERS as TF_PEERS
 
 BACKENDS = ("plait-mpi", "plait-horovod", "horovod", "ddp")
 MODELS = ("resnet", "transformer")
@@ -71,6 +77,11 @@ COMPRESSIONS = ("none", "fp16", "bf16", "topk", "powersgd")
 SUPPORTED = {"plait-mpi": set(COMPRESSIONS), "plait-horovod": set(COMPRESSIONS),
              "horovod": {"none", "fp16"}, "ddp": {"none", "fp16", "bf16", "powersgd"}}
 PEERS = ("horovod", "ddp")
+FRAMEWORKS = ("torch", "tensorflow")
+#: per framework: its backends, the compressors each offers, its peers
+SETS = {"torch": (BACKENDS, SUPPORTED, PEERS),
+        "tensorflow": (TF_BACKENDS, {"plait-mpi": {"none", "fp16"}, "plait-horovod": {"none", "fp16"},
+                                     "horovod": {"none", "fp16"}, "tf-mwms": {"none"}}, TF_PEERS)}
 CLASSES = 10
 SEQ = 32
 VOCAB = 16384
@@ -245,24 +256,32 @@ def run_model(setup: _Setup, kind: str, args: Any) -> dict[str, Any]:
 
 def worker(args: Any) -> int:
     """One job of ``args.worker`` (a backend) on every rank; rank 0 writes the part file."""
-    import torch
+    if args.framework == "tensorflow":
+        from synthetic_tf import worker_results
 
-    torch.set_num_threads(1)
-    setup = _Setup(args.worker, args.compression)
-    results = {kind: run_model(setup, kind, args) for kind in args.models}
-    if setup.rank == 0:
+        results, rank, size = worker_results(args.worker, args.models, args)
+        close: Any = None
+    else:
+        import torch
+
+        torch.set_num_threads(1)
+        setup = _Setup(args.worker, args.compression)
+        results = {kind: run_model(setup, kind, args) for kind in args.models}
+        rank, size, close = setup.rank, setup.size, setup.close
+    if rank == 0:
         for kind, res in results.items():
             mean, half = confidence(res["img_secs"])
             print(f"{args.worker} {kind}: img/sec per CPU {mean:.1f} +-{half:.1f}; total on "
-                  f"{setup.size} ranks {setup.size * mean:.1f} +-{setup.size * half:.1f}", flush=True)
+                  f"{size} ranks {size * mean:.1f} +-{size * half:.1f}", flush=True)
         if args.out:
             part = Path(f"{args.out}.{args.worker}.part.json")
             part.parent.mkdir(parents=True, exist_ok=True)
             prev = json.loads(part.read_text()) if part.exists() else {"rounds": []}
             prev["rounds"].append(results)
-            prev.update(np=setup.size, versions=versions())
+            prev.update(np=size, versions=versions())
             part.write_text(json.dumps(prev))
-    setup.close()
+    if close is not None:
+        close()
     return 0
 
 
@@ -288,7 +307,8 @@ def rows_of(parts: dict[str, dict[str, Any]], args: Any) -> tuple[list[dict[str,
             m, half = confidence(samples)
             mean[backend] = m
             size = part["np"]
-            rows.append({"model": kind, "backend": backend, "compression": args.compression,
+            rows.append({"framework": args.framework, "model": kind, "backend": backend,
+                         "compression": args.compression,
                          "params": part["rounds"][0][kind]["params"], "np": size,
                          "img_per_s": m, "ci95": half, "total_img_per_s": size * m,
                          "step_ms": 1e3 * args.batch_size / m, "cpu_ms": statistics.median(cpu),
@@ -296,16 +316,18 @@ def rows_of(parts: dict[str, dict[str, Any]], args: Any) -> tuple[list[dict[str,
         for backend in parts:
             if not backend.startswith("plait-"):
                 continue
-            for peer in PEERS:
+            for peer in SETS[args.framework][2]:
                 if peer in mean:
-                    ratios.append({"model": kind, "backend": backend, "peer": peer,
+                    ratios.append({"framework": args.framework, "model": kind,
+                                   "backend": backend, "peer": peer,
                                    "compression": args.compression, "ratio": mean[backend] / mean[peer]})
     return rows, ratios
 
 
 def markdown(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], m: dict[str, Any],
              skipped: list[str]) -> str:
-    out = [f"## Synthetic benchmark, {m['np']} ranks, batch {m['batch_size']} per rank, "
+    out = [f"## Synthetic benchmark ({m.get('framework', 'torch')}), {m['np']} ranks, "
+           f"batch {m['batch_size']} per rank, "
            f"compression {m['compression']}, {m.get('link', 'shared memory (one host)')}\n\n",
            f"{m['machine'].get('cores')} cores; load before {m['load_before']}, after "
            f"{m['load_after']}. img/s per rank: mean and 95% confidence interval over "
@@ -319,7 +341,9 @@ def markdown(rows: list[dict[str, Any]], ratios: list[dict[str, Any]], m: dict[s
     out.append(md_table(["model", "params", "backend", "img/s per rank", "total img/s", "step ms",
                          "CPU ms/step"], table))
     if ratios:
-        out.append("\n### plait vs real Horovod and DDP (mean img/s; >= 1.0 means plait is as fast)\n\n")
+        peers = "DDP" if m.get("framework", "torch") == "torch" else "MultiWorkerMirroredStrategy"
+        out.append(f"\n### plait vs real Horovod and {peers} (mean img/s; >= 1.0 means plait is as "
+                   "fast)\n\n")
         out.append(md_table(["model", "plait", "peer", "ratio"],
                             [[r["model"], r["backend"], r["peer"], f"{r['ratio']:.2f}x"]
                              for r in ratios]))
@@ -342,8 +366,10 @@ def _launch_horovodrun(args: Any, forward: list[str]) -> int:
 
 def _extra(p: Any) -> None:
     p.add_argument("--model", default=",".join(MODELS), help="comma-separated: resnet, transformer")
-    p.add_argument("--backend", default=",".join(BACKENDS),
-                   help=f"comma-separated, from {list(BACKENDS)}")
+    p.add_argument("--framework", default="torch", help=f"one of {list(FRAMEWORKS)}")
+    p.add_argument("--backend", default="",
+                   help=f"comma-separated (default: all of the framework's), torch: {list(BACKENDS)}, "
+                        f"tensorflow: {list(TF_BACKENDS)}")
     p.add_argument("--batch-size", type=int, default=32, help="input batch size per rank")
     p.add_argument("--num-warmup-batches", type=int, default=20,
                    help="untimed steps (20 cover plait's bucket-size tuning; every backend gets them)")
@@ -370,8 +396,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.fp16_allreduce:
         args.compression = "fp16"
     args.models = [m.strip() for m in args.model.split(",") if m.strip()]
-    backends = [b.strip() for b in args.backend.split(",") if b.strip()]
-    for name, values, valid in (("model", args.models, MODELS), ("backend", backends, BACKENDS),
+    if args.framework not in FRAMEWORKS:
+        print(f"synthetic: invalid --framework {args.framework!r}: expected one of {list(FRAMEWORKS)}",
+              file=sys.stderr)
+        return 2
+    valid_backends, supported, _ = SETS[args.framework]
+    backends = [b.strip() for b in (args.backend or ",".join(valid_backends)).split(",") if b.strip()]
+    for name, values, valid in (("model", args.models, MODELS),
+                                ("backend", backends, valid_backends),
                                 ("compression", [args.compression], COMPRESSIONS)):
         bad = [v for v in values if v not in valid]
         if bad or not values:
@@ -388,9 +420,10 @@ def main(argv: list[str] | None = None) -> int:
             args.out = ""  # run by hand: print, write nothing
         return worker(args)
     skipped = [f"{b}: no {args.compression} compression" for b in backends
-               if args.compression not in SUPPORTED[b]]
-    backends = [b for b in backends if args.compression in SUPPORTED[b]]
-    forward = ["--model", ",".join(args.models), "--batch-size", str(args.batch_size),
+               if args.compression not in supported[b]]
+    backends = [b for b in backends if args.compression in supported[b]]
+    forward = ["--framework", args.framework, "--model", ",".join(args.models),
+               "--batch-size", str(args.batch_size),
                "--num-warmup-batches", str(args.num_warmup_batches), "--num-batches-per-iter",
                str(args.num_batches_per_iter), "--num-iters", str(args.num_iters),
                "--compression", args.compression]
@@ -435,9 +468,11 @@ def main(argv: list[str] | None = None) -> int:
     m = meta(quick=args.quick, smoke=args.smoke, np=args.np, batch_size=args.batch_size,
              num_warmup_batches=args.num_warmup_batches, num_batches_per_iter=args.num_batches_per_iter,
              num_iters=args.num_iters, rounds=args.rounds, compression=args.compression,
+             framework=args.framework,
              link=f"2 emulated hosts at {args.rate}" if args.rate else "shared memory (one host)",
              load_before=load_before, load_after=load_note(), versions=vers)
-    write_results(args.out, "synthetic", rows, markdown(rows, ratios, m, skipped), m, ratios=ratios,
+    name = "synthetic" if args.framework == "torch" else "synthetic_tf"  # the script's stem
+    write_results(args.out, name, rows, markdown(rows, ratios, m, skipped), m, ratios=ratios,
                   skipped=skipped)
     print(markdown(rows, ratios, m, skipped))
     return 0

@@ -32,6 +32,7 @@ HEADERS = {
     "tensor": "| variant | ranks | params/rank | step (median, s) | step min-max (s) | comm/rank/step "
               "| analytic |",
     "synthetic": "| model | params | backend | img/s per rank | total img/s | step ms | CPU ms/step |",
+    "synthetic_tf": "| model | params | backend | img/s per rank | total img/s | step ms | CPU ms/step |",
     "collectives": "| collective | size | plait-mpi | mpi4py | added µs | time ratio |",
     "dp_overhead": "| model | params / tensors | impl | step ms | wrapper ms | share of the step "
                    "| timers ms |",
@@ -162,6 +163,21 @@ def test_synthetic_benchmark_has_every_row(tmp_path: Path) -> None:
     assert {(r["model"], r["backend"], r["peer"]) for r in data["ratios"]} == {
         (m, b, p) for m in synthetic.MODELS for b in ("plait-mpi", "plait-horovod")
         for p in synthetic.PEERS}
+
+
+def test_synthetic_tensorflow_benchmark_has_its_rows(tmp_path: Path) -> None:
+    """The Keras half (``synthetic_tf.py``, Horovod's TF2 synthetic benchmark), here for the
+    transformer (an embedding: its gradient is allgathered) on plait-mpi and
+    MultiWorkerMirroredStrategy, one job each."""
+    data = _run("synthetic_tf.py", tmp_path / "syn_tf", "--model", "transformer", "--backend",
+                "plait-mpi,tf-mwms")
+    assert [(r["framework"], r["model"], r["backend"]) for r in data["rows"]] == [
+        ("tensorflow", "transformer", "plait-mpi"), ("tensorflow", "transformer", "tf-mwms")]
+    for r in data["rows"]:
+        assert r["img_per_s"] > 0 and r["n"] == 2 and r["np"] == 2 and r["cpu_ms"] > 0
+        assert 5e6 < r["params"] < 1e7
+    assert [(r["backend"], r["peer"]) for r in data["ratios"]] == [("plait-mpi", "tf-mwms")]
+    assert data["meta"]["framework"] == "tensorflow"
 
 
 @pytest.mark.skipif(unavailable_reason(need_tc=True) is not None,
