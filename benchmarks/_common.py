@@ -36,7 +36,8 @@ from typing import Any
 
 __all__ = [
     "BENCH_DIR", "RESULTS", "free_port", "fmt_bytes", "launch", "load_note", "machine", "md_table", "meta",
-    "mpi_env", "parse_args", "stats", "time_repeats", "versions", "write_results",
+    "mpi_env", "parse_args", "stats", "time_repeats", "timed_iterations", "versions",
+    "write_results",
 ]
 
 BENCH_DIR = Path(__file__).resolve().parent
@@ -218,6 +219,29 @@ def load_note() -> str:
     """``load average a b c on N cores`` (how busy the machine was)."""
     la = os.getloadavg()
     return f"load average {la[0]:.2f} {la[1]:.2f} {la[2]:.2f} on {os.cpu_count()} cores"
+
+
+def timed_iterations(step: Callable[[], Any], args: Any, verbose: bool) -> dict[str, list[float]]:
+    """Horovod's synthetic-benchmark timing: ``args.num_warmup_batches`` untimed calls of
+    ``step``, then ``args.num_iters`` iterations of ``args.num_batches_per_iter`` calls.
+
+    Returns:
+        ``img_secs`` (``args.batch_size`` images a call, per iteration) and ``cpu_ms``
+        (this process's CPU time per call, per iteration); ``verbose`` prints each.
+    """
+    for _ in range(args.num_warmup_batches):
+        step()
+    img_secs, cpu_ms = [], []
+    for i in range(args.num_iters):
+        t0, c0 = time.perf_counter(), time.process_time()
+        for _ in range(args.num_batches_per_iter):
+            step()
+        img_secs.append(args.batch_size * args.num_batches_per_iter / (time.perf_counter() - t0))
+        cpu_ms.append(1e3 * (time.process_time() - c0) / args.num_batches_per_iter)
+        if verbose:
+            print(f"Iter #{i}: {img_secs[-1]:.1f} img/sec per CPU ({cpu_ms[-1]:.1f} CPU ms/step)",
+                  flush=True)
+    return {"img_secs": img_secs, "cpu_ms": cpu_ms}
 
 
 def versions() -> dict[str, str]:

@@ -50,7 +50,6 @@ import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +63,7 @@ from _common import (
     meta,
     mpi_env,
     parse_args,
+    timed_iterations,
     versions,
     write_results,
 )
@@ -239,19 +239,7 @@ def run_model(setup: _Setup, kind: str, args: Any) -> dict[str, Any]:
         F.cross_entropy(model(x), y).backward()
         opt.step()
 
-    for _ in range(args.num_warmup_batches):
-        step()
-    img_secs, cpu_ms = [], []
-    for i in range(args.num_iters):
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(args.num_batches_per_iter):
-            step()
-        img_secs.append(args.batch_size * args.num_batches_per_iter / (time.perf_counter() - t0))
-        cpu_ms.append(1e3 * (time.process_time() - c0) / args.num_batches_per_iter)
-        if setup.rank == 0 and not args.out:
-            print(f"Iter #{i}: {img_secs[-1]:.1f} img/sec per CPU ({cpu_ms[-1]:.1f} CPU ms/step)",
-                  flush=True)
-    return {"params": params, "img_secs": img_secs, "cpu_ms": cpu_ms}
+    return {"params": params, **timed_iterations(step, args, setup.rank == 0 and not args.out)}
 
 
 def worker(args: Any) -> int:

@@ -26,7 +26,6 @@ exchange over MPI).
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -210,6 +209,8 @@ class _Backend:
 
 def worker_results(backend: str, models: list[str], args: Any) -> tuple[dict[str, Any], int, int]:
     """Every model of one job of ``backend``: ``({model: {params, img_secs, cpu_ms}}, rank, size)``."""
+    from _common import timed_iterations
+
     setup = _Backend(backend, args.compression)
     results = {}
     for kind in models:
@@ -220,20 +221,9 @@ def worker_results(backend: str, models: list[str], args: Any) -> tuple[dict[str
             model = build_model(kind)
         x, y = synthetic_batch(kind, args.batch_size)
         step = setup.stepper(model, x, y, LR * setup.size)
-        for _ in range(args.num_warmup_batches):
-            step()
-        img_secs, cpu_ms = [], []
-        for i in range(args.num_iters):
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(args.num_batches_per_iter):
-                step()
-            img_secs.append(args.batch_size * args.num_batches_per_iter / (time.perf_counter() - t0))
-            cpu_ms.append(1e3 * (time.process_time() - c0) / args.num_batches_per_iter)
-            if setup.rank == 0 and not args.out:
-                print(f"Iter #{i}: {img_secs[-1]:.1f} img/sec per CPU ({cpu_ms[-1]:.1f} CPU ms/step)",
-                      flush=True)
+        timed = timed_iterations(step, args, setup.rank == 0 and not args.out)
         results[kind] = {"params": int(sum(int(v.numpy().size) for v in model.trainable_variables)),
-                         "img_secs": img_secs, "cpu_ms": cpu_ms}
+                         **timed}
     return results, setup.rank, setup.size
 
 
