@@ -180,9 +180,8 @@ class _Backend:
 
         hvd = self.hvd
         if hvd is not None:
-            kwargs = {"sparse_as_dense": True} if os.environ.get("SAD") else {}
-            kwargs.update({} if self.compression == "none" else {
-                "compression": getattr(hvd.Compression, self.compression)})
+            kwargs = {} if self.compression == "none" else {
+                "compression": getattr(hvd.Compression, self.compression)}
 
             @tf.function
             def step() -> None:
