@@ -230,11 +230,8 @@ GROUPS = {
     ],
     "mpirun": [
         Case("mpirun", "allreduce", "mpi", "link", names_host=True),
-        Case("mpirun", "dp", "horovod", "link"),
-        Case("mpirun", "keras", "mpi", "link", names_host=True),
-        # (the pipeline's and the parameter server's lost links: under plait run above; a
-        # survivor's timeout does not depend on the launcher, and mpirun ends the job as
-        # for the other programs)
+        # (the other programs' lost links: under plait run above; a survivor's timeout does
+        # not depend on the launcher, and mpirun ends the job as for the allreduce loop)
         Case("mpirun", "pipeline", "mpi", "stop", names_host=True),
         # With a rank stopped, the survivor's Horovod background loop waits for it and the
         # survivor's next horovod.torch ``*_async`` call blocks inside Horovod holding the
