@@ -130,6 +130,65 @@ def test_gradient_tape_reduces_an_embeddings_sparse_gradient(comm, graph, sparse
                                    rtol=1e-6, atol=1e-7)
 
 
+def test_tf_function_checks_its_buckets_in_the_first_run_only(comm, monkeypatch):
+    """On the MPI backend a traced tape's buckets start on the checked communicator in the
+    first run only (later runs: a private unchecked copy, split in the second). The weights
+    still match the serial run."""
+    if comm.backend != "mpi":
+        pytest.skip("the Horovod backend builds Horovod's ops into the graph while tracing; "
+                    "Horovod's coordinator compares them in every run")
+    started = []
+    real = comm.allreduce_async
+    monkeypatch.setattr(comm, "allreduce_async",
+                        lambda *a, **k: started.append(k.get("name", a[2] if len(a) > 2 else None))
+                        or real(*a, **k))
+    dist = tape_training(comm, graph=True, distributed=True, bucket_mb=0.0, steps=4)
+    monkeypatch.undo()
+    assert len(started) == len(model().trainable_variables), started  # one gradient a bucket
+    serial = tape_training(comm, graph=True, distributed=False, steps=4)
+    np.testing.assert_allclose(flat(dist), flat(serial), rtol=0, atol=1e-6)
+
+
+def test_tf_function_tape_with_uneven_data_and_join(comm):
+    """Horovod's pattern for uneven data inside a tf.function: rank r has 3 + r batches; a
+    rank out of data joins, and the others' later steps (on the MPI backend: on the unchecked
+    copy, announced to it) average its zeros in, as a serial run with those zeros does."""
+    if comm.backend != "mpi":
+        pytest.skip("TensorFlow on the Horovod backend: join() only with every rank joining "
+                    "(README, What does not work); job_faces.py tests torch's join there")
+    n, me = comm.size, comm.rank
+    x, y = digits()
+
+    def batch(r, s):
+        lo = (s * n + r) * 6
+        return tf.constant(x[lo : lo + 6]), tf.constant(y[lo : lo + 6])
+
+    m, ref = model(), model()
+    opt = keras.optimizers.SGD(learning_rate=0.1)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = LOSS(yb, m(xb))
+        grads = DistributedGradientTape(tape, comm).gradient(loss, m.trainable_variables)
+        opt.apply_gradients(zip(grads, m.trainable_variables))
+
+    for s in range(3 + me):
+        step(*batch(me, s))
+    assert comm.join() == n - 1
+    for s in range(3 + me):  # the serial reference of this rank's steps: a joined rank's gradient is 0
+        total = [tf.zeros_like(v) for v in ref.trainable_variables]
+        for r in range(n):
+            if s < 3 + r:
+                xb, yb = batch(r, s)
+                with tf.GradientTape() as tape:
+                    loss = LOSS(yb, ref(xb))
+                total = [t + g for t, g in zip(total, tape.gradient(loss, ref.trainable_variables))]
+        for v, t in zip(ref.trainable_variables, total):
+            v.assign_sub(0.1 * t / n)
+    np.testing.assert_allclose(flat(m), flat(ref), rtol=0, atol=1e-6)
+
+
 def accumulation_training(comm, graph: bool, distributed: bool, passes: int, steps: int = 10,
                           bucket_mb: float = DEFAULT_BUCKET_MB) -> keras.Model:
     """Custom loop through ``apply_gradients``: ``passes`` local passes per step on each
