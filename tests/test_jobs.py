@@ -17,7 +17,8 @@ HVD_TF = {"PLAIT_TEST_HOROVOD_FRAMEWORK": "tensorflow", "PLAIT_TEST_BACKENDS": "
 # (ids show the env values: "-tensorflow" means that library, "-mpi"/"-horovod" the world backend)
 
 #: job_dp_tf's tests of collectives inside graphs (tf.function and TF1 sessions)
-GRAPH_TESTS = "tf.function or twenty or negotiated or mismatch or horovods_gradients or indexed_slices"
+GRAPH_TESTS = ("tf.function or twenty or negotiated or mismatch or horovods_gradients or indexed_slices"
+               " or uneven_data_and_join")
 FACES = "job_faces.py job_face_extras.py job_tf_faces_extra.py"
 
 JOBS = [
