@@ -489,11 +489,38 @@ def graph_position() -> tuple[str, int, bool] | None:
     return str(getattr(graph, "name", None) or "graph"), index, function
 
 
-def bracketed(build: Callable[[], Any], before: Callable[[], None],
-              after: Callable[[], None]) -> Any:
-    """Build ops into the graph being built, between two host calls: each time the graph
-    runs, ``before()`` runs before any op ``build`` made starts, and ``after()`` once
-    all their outputs are computed (not when one of them failed).
+def graph_anchor() -> tf.Variable | None:
+    """A scalar variable on the CPU for :func:`bracketed`'s ``anchor``. Make it eagerly,
+    before tracing (a ``tf.function`` refuses variables made in a later trace).
+
+    Returns:
+        The variable, or None where TensorFlow does not run eagerly.
+    """
+    with tf.init_scope():
+        if not tf.executing_eagerly():
+            return None
+        with tf.device("/CPU:0"):
+            return tf.Variable(0, trainable=False, name="plait_anchor")
+
+
+def bracketed(build: Callable[[Any], Any], inputs: Any, before: Callable[[], None],
+              after: Callable[[], None], anchor: tf.Variable | None = None) -> Any:
+    """Build ops on ``inputs`` into the graph being built, between two host calls: each time
+    the graph runs, ``before()`` runs once every tensor of ``inputs`` is computed and before
+    any op ``build`` made starts, and ``after()`` once all their outputs are computed (not
+    when one of them failed).
+
+    Inside a ``tf.function``, ``before`` is a stateless host op whose output (the first
+    input's shape) reshapes the first input that ``build`` gets (no copy): so the ops wait
+    for it, and it is not one of the stateful ops a ``tf.function`` runs in program order.
+    Were it stateful, each op's ``before`` would wait for the previous op's ``after``, that
+    is for the previous op to end: 40 Horovod allreduces in a ``tf.function`` took 2.2 ms
+    each on the Horovod backend (one coordinator cycle each) against 54 us in Horovod. It
+    also reads ``anchor``, so that Grappler cannot fold it into a constant when the inputs
+    are constants (it would run once, while the graph is optimised); without an anchor it
+    is stateful. ``after`` is stateful, so it runs (and with it the ops) even when nothing
+    uses their outputs. (A TensorFlow 1 graph has no such ordering: there ``before`` is
+    stateful.)
 
     Inside a ``tf.function`` the outputs do not wait for ``after()``: the function runs
     every stateful op before it returns (and a loop's next iteration waits for this
@@ -503,25 +530,34 @@ def bracketed(build: Callable[[], Any], before: Callable[[], None],
     there the outputs wait for it.
 
     Args:
-        build: makes the ops; returns their outputs (a tensor or a nest of them).
+        build: makes the ops from (the rewired) ``inputs``; returns their outputs (a
+            tensor or a nest of them).
+        inputs: a tensor, or a list of tensors (the first one is rewired).
         before: the host call before them.
         after: the host call after them.
+        anchor: from :func:`graph_anchor`.
 
     Returns:
         ``build()``'s outputs (in a TensorFlow 1 graph, each computed once ``after()``
         returned).
     """
-    def host(call: Callable[[], None]) -> Callable[[], np.ndarray]:
-        def run() -> np.ndarray:
-            call()
-            return np.zeros((), np.int32)
-        return run
+    def arm(*arrays: np.ndarray) -> np.ndarray:
+        before()
+        return np.asarray(arrays[0].shape, np.int64)
 
-    start = tf.numpy_function(host(before), [], Tout=tf.int32, stateful=True)
-    with tf.control_dependencies([start]):
-        out = build()
+    def disarm() -> np.ndarray:
+        after()
+        return np.zeros((), np.int32)
+
+    flat = [tf.convert_to_tensor(t) for t in tf.nest.flatten(inputs)]
+    free = anchor is not None and tf.inside_function()
+    extra = [anchor.read_value()] if free and anchor is not None else []
+    shape = tf.numpy_function(arm, flat + extra, Tout=tf.int64, stateful=not free)
+    lead = tf.reshape(flat[0], shape)
+    lead.set_shape(flat[0].shape)
+    out = build(tf.nest.pack_sequence_as(inputs, [lead, *flat[1:]]))
     with tf.control_dependencies(tf.nest.flatten(out, expand_composites=True)):
-        end = tf.numpy_function(host(after), [], Tout=tf.int32, stateful=True)
+        end = tf.numpy_function(disarm, [], Tout=tf.int32, stateful=True)
     if tf.inside_function():
         return out
     with tf.control_dependencies([end]):

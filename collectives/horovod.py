@@ -144,6 +144,13 @@ class _World:
         # inside a TensorFlow graph cannot be interrupted (see _graph_op); after it killed
         # this rank, the guard ends a raw mpirun that cannot end the job
         self.guard = OutsideWatchdog(then=reaper_argv(str(self.hvd.rank())))
+        # lets the host call arming a graph op be stateless (see bracketed): made now,
+        # eagerly, not while a graph is traced
+        self.anchor: Any = None
+        if framework == "tensorflow":
+            from plait.adapters.tensorflow import graph_anchor
+
+            self.anchor = graph_anchor()
 
     def worker(self) -> concurrent.futures.ThreadPoolExecutor:
         """One daemon-like thread for blocking library calls that need a timeout."""
@@ -566,8 +573,8 @@ class HorovodCommunicator(CommunicatorBase):
                 "cannot be interrupted; some rank is dead, stuck (or its host unreachable) or "
                 "calling something else"), key)
 
-        return bracketed(lambda: getattr(self._hvd, fn)(*args, **kwargs), arm,
-                         lambda: guard.disarm(key))
+        return bracketed(lambda first: getattr(self._hvd, fn)(first, *args[1:], **kwargs),
+                         args[0], arm, lambda: guard.disarm(key), self._w.anchor)
 
     def _kill_message(self, waited_for: str) -> str:
         """What the outside watchdog prints when it ends this rank after waiting for

@@ -146,26 +146,63 @@ def _zombie(pid: int) -> bool:
 
 def test_bracketed_graph_ops_are_disarmed_before_the_graph_returns() -> None:
     """A Horovod graph op is armed before it starts and disarmed after its outputs, on
-    every run of a ``tf.function`` (also each iteration of a loop in it), before the call
-    returns, though the outputs do not wait for the disarm; in a TensorFlow 1 graph,
-    fetching the outputs runs it."""
+    every run of a ``tf.function`` (also each iteration of a loop in it, and with constant
+    inputs, which Grappler must not fold), before the call returns, though the outputs do
+    not wait for the disarm; two independent ops are both armed before either ends; in a
+    TensorFlow 1 graph, fetching the outputs runs it."""
     import tensorflow as tf
-    from plait.adapters.tensorflow import bracketed
+    from plait.adapters.tensorflow import bracketed, graph_anchor
 
     events: list[str] = []
+    anchor = graph_anchor()
 
     def op(x: object) -> object:
-        def build() -> object:
-            out = tf.numpy_function(lambda a: (events.append("op"), a)[1], [x], Tout=tf.float32,
-                                    stateful=True)
+        def build(first: object) -> object:
+            # stateless, like a Horovod op: runs when its input (after the arm) is there
+            out = tf.numpy_function(lambda a: (events.append("op"), a)[1], [first],
+                                    Tout=tf.float32, stateful=False)
             return tf.ensure_shape(out, []) + 1.0
-        return bracketed(build, lambda: events.append("arm"), lambda: events.append("disarm"))
+        return bracketed(build, x, lambda: events.append("arm"), lambda: events.append("disarm"),
+                         anchor)
 
     once = tf.function(op)
-    for _ in range(2):
-        events.clear()
-        assert float(once(tf.constant(1.0))) == 2.0
-        assert events == ["arm", "op", "disarm"]
+    constant = tf.function(lambda: op(tf.constant(1.0)))  # not folded away by Grappler
+    for f, args in ((once, (tf.constant(1.0),)), (constant, ())):
+        for _ in range(2):
+            events.clear()
+            assert float(f(*args)) == 2.0
+            assert events == ["arm", "op", "disarm"]
+
+    @tf.function
+    def unused(x: object) -> object:  # an output nobody uses: TensorFlow prunes a stateless
+        op(x)  # op (Horovod's are) and the arm before it; nothing is left armed
+        return x
+
+    events.clear()
+    assert float(unused(tf.constant(1.0))) == 1.0
+    assert events == ["disarm"]
+
+    def waiting(a: object) -> object:  # an op that ends only once both ops were armed
+        deadline = time.monotonic() + 10
+        while events.count("arm") < 2 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        events.append("op")
+        return a
+
+    def slow_op(x: object) -> object:
+        def build(first: object) -> object:
+            out = tf.numpy_function(waiting, [first], Tout=tf.float32, stateful=False)
+            return tf.ensure_shape(out, []) + 1.0
+        return bracketed(build, x, lambda: events.append("arm"), lambda: events.append("disarm"),
+                         anchor)
+
+    @tf.function
+    def independent(x: object) -> object:  # the second op's arm does not wait for the first
+        return slow_op(x) + slow_op(x * 2.0)  # op to end (and be disarmed)
+
+    events.clear()
+    assert float(independent(tf.constant(1.0))) == 5.0
+    assert events[:2] == ["arm", "arm"] and sorted(events[2:]) == ["disarm"] * 2 + ["op"] * 2
 
     @tf.function
     def loop(x: object) -> object:
