@@ -23,7 +23,6 @@ zeros.
 from __future__ import annotations
 
 import itertools
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -33,7 +32,7 @@ import tensorflow as tf
 from plait.collectives.graph_order import ordered
 
 from plait.errors import MismatchError
-from plait.parallel.data import GradSpec, plan_buckets
+from plait.parallel.data import GradSpec, checks_once, plan_buckets, unchecked_copy
 from plait.protocols import Communicator, Handle
 
 from .tensorflow import OPS
@@ -60,9 +59,7 @@ class _Layout:
 
     def __init__(self, comm: Communicator, names: Sequence[str], op: str) -> None:
         self.comm, self.names, self.op = comm, list(names), op
-        self.once = (getattr(comm, "backend", None) == "mpi" and comm.size > 1
-                     and bool(getattr(comm, "check", False))
-                     and os.environ.get("PLAIT_BUCKET_CHECK", "once") != "always")
+        self.once = getattr(comm, "backend", None) == "mpi" and checks_once(comm)
         self.calls: list[Any] = []  # the start ops' host calls (negotiated ones rule it out)
         self.like: list[tuple[tuple[int, ...], Any]] = []  # each bucket's shape and dtype
         self.fast: Any = None
@@ -89,9 +86,7 @@ class _Layout:
             self.generation, self.fast, self.complete = generation, None, False
         if (self.fast is None and self.complete and self.once
                 and not any(getattr(c, "negotiate", False) for c in self.calls)):
-            fast = comm.split(0, comm.rank)  # at the same point of every rank's chain
-            fast.check = False  # type: ignore[attr-defined]
-            self.fast = fast
+            self.fast = unchecked_copy(comm)  # at the same point of every rank's chain
         self.finished, self.complete = 0, False
         self.current = comm if self.fast is None else self.fast
         if self.fast is not None:

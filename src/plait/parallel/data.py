@@ -39,7 +39,8 @@ from plait.protocols import Communicator, Handle, Tensor
 
 from .autotune import BucketTuner, bucket_setting
 
-__all__ = ["DEFAULT_BUCKET_MB", "Bucket", "GradientReducer", "GradSpec", "plan_buckets"]
+__all__ = ["DEFAULT_BUCKET_MB", "Bucket", "GradientReducer", "GradSpec", "checks_once",
+           "plan_buckets", "unchecked_copy"]
 
 #: Default fusion bucket size in MiB (torch DDP's default is 25 MiB as well).
 DEFAULT_BUCKET_MB = 25.0
@@ -200,9 +201,7 @@ class GradientReducer:
         self._last: float | None = None
         # checked once per plan: the private unchecked communicator, and whether the
         # current plan already ran once (checked)
-        self._check_once = (check_once and (self._plain or self._cast) and comm.size > 1
-                            and _checks_once(comm) and bool(getattr(comm, "check", False))
-                            and os.environ.get("PLAIT_BUCKET_CHECK", "once") != "always")
+        self._check_once = check_once and (self._plain or self._cast) and checks_once(comm)
         self._fast: Communicator | None = None
         self._verified = False
         self._generation = getattr(comm, "generation", 0)
@@ -338,9 +337,7 @@ class GradientReducer:
         if not self._verified:
             self._verified = True
             if self._check_once and self._fast is None:
-                fast = self.comm.split(0, self.comm.rank)
-                fast.check = False  # type: ignore[attr-defined]
-                self._fast = fast
+                self._fast = unchecked_copy(self.comm)
         if self.tuner is not None and self.tuner.tuning and out:
             last = out[-1][1]
             self._tune(last[0] if isinstance(last, list) else last)
@@ -467,8 +464,25 @@ class GradientReducer:
                 self._same_plan(self.tuner.current)
 
 
-def _checks_once(comm: Communicator) -> bool:
-    """Whether ``comm``'s backend can reduce a verified plan unchecked: MPI, and Horovod
-    for torch (whose ops Horovod's coordinator matches by name and checks itself)."""
+def checks_once(comm: Communicator) -> bool:
+    """Whether a bucket plan verified on ``comm`` may then be reduced unchecked: a group of
+    several ranks with the agreement check on, unless ``PLAIT_BUCKET_CHECK=always``, on
+    MPI, or Horovod for torch (whose ops Horovod's coordinator matches by name and checks
+    itself)."""
     backend = getattr(comm, "backend", "")
-    return backend == "mpi" or (backend == "horovod" and getattr(comm, "framework", "") == "torch")
+    return (comm.size > 1 and bool(getattr(comm, "check", False))
+            and os.environ.get("PLAIT_BUCKET_CHECK", "once") != "always"
+            and (backend == "mpi"
+                 or (backend == "horovod" and getattr(comm, "framework", "") == "torch")))
+
+
+def unchecked_copy(comm: Communicator) -> Communicator:
+    """A private copy of ``comm`` without the agreement check (a collective over ``comm``,
+    checked there): its collectives meet only those of whoever holds it.
+
+    Returns:
+        The new communicator.
+    """
+    fast = comm.split(0, comm.rank)
+    fast.check = False  # type: ignore[attr-defined]
+    return fast
