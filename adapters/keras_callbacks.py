@@ -7,12 +7,13 @@ from typing import Any
 
 import keras
 import numpy as np
+import tensorflow as tf
 
 from plait.errors import invalid
 from plait.progress import average_metrics
 from plait.protocols import Communicator
 
-from .tf_optim import broadcast_variables
+from .tf_optim import _key, broadcast_variables
 
 __all__ = [
     "BroadcastGlobalVariablesCallback", "CommitStateCallback", "LearningRateScheduleCallback",
@@ -26,11 +27,31 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
 
     The optimizer is built first if needed, so its slots are broadcast before the
     first step rather than after it.
+
+    Args:
+        root_rank: the rank whose values every rank gets.
+        comm: the communicator.
+        local_variables: variables (tf or Keras 3) that keep each rank's own value
+            (Horovod's worker-local variables); None: none.
+
+    Raises:
+        ConfigError: when ``local_variables`` is not a list of variables.
     """
 
-    def __init__(self, root_rank: int, comm: Communicator) -> None:
+    def __init__(self, root_rank: int, comm: Communicator, local_variables: Any = None) -> None:
         super().__init__()
         self.root_rank, self._comm = root_rank, comm
+        valid = "a list of tf.Variable or keras.Variable (or None)"
+        if isinstance(local_variables, (tf.Variable, keras.Variable, str)):
+            raise invalid("local_variables", type(local_variables).__name__, valid)
+        try:
+            local = [] if local_variables is None else list(local_variables)
+        except TypeError:
+            raise invalid("local_variables", type(local_variables).__name__, valid) from None
+        for v in local:
+            if not isinstance(v, (tf.Variable, keras.Variable)):
+                raise invalid("local_variables", f"a list holding a {type(v).__name__}", valid)
+        self._local = {_key(v) for v in local}
 
     def on_train_begin(self, logs: Any = None) -> None:
         model: Any = self.model
@@ -40,7 +61,8 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
         variables = list(model.variables)
         if optimizer is not None:
             variables += list(optimizer.variables)
-        broadcast_variables(variables, self._comm, self.root_rank)
+        broadcast_variables([v for v in variables if _key(v) not in self._local], self._comm,
+                            self.root_rank)
 
 
 class MetricAverageCallback(keras.callbacks.Callback):

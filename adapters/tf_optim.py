@@ -286,7 +286,8 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op
                                 bucket_mb: float = DEFAULT_BUCKET_MB,
                                 backward_passes_per_step: int = 1,
                                 average_aggregated_gradients: bool = False,
-                                gradient_predivide_factor: float = 1.0) -> Any:
+                                gradient_predivide_factor: float = 1.0,
+                                scale_local_gradients: bool = True) -> Any:
     """A copy of a Keras 3 optimizer whose ``apply`` averages gradients first.
 
     Works with ``model.fit`` (which calls ``optimizer.apply`` inside a ``tf.function``)
@@ -306,6 +307,12 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op
     An epoch whose batch count is not a multiple of N carries its last passes over
     into the next epoch, as in Horovod.
 
+    Variables passed to its ``register_local_var`` (Horovod's worker-local variables,
+    e.g. by ``PartialDistributedOptimizer``) keep this rank's gradient, divided by the
+    number of ranks with ``scale_local_gradients``. Its ``_compute_gradients(loss,
+    var_list, grad_loss=None, tape=None)`` returns the reduced ``(gradient, variable)``
+    pairs, as Horovod's Keras optimizer's does.
+
     Args:
         optimizer: a Keras 3 optimizer (not yet used).
         comm: the data-parallel communicator; None: apply this rank's own gradients
@@ -317,6 +324,7 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op
         backward_passes_per_step: local passes accumulated per reduction and update.
         average_aggregated_gradients: divide the accumulated sum by the number of passes.
         gradient_predivide_factor: divide before the reduction, multiply after.
+        scale_local_gradients: divide local variables' gradients by the number of ranks.
 
     Returns:
         The distributed optimizer.
@@ -337,8 +345,44 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op
     kw = {"op": op, "compression": compression, "memory": memory, "bucket_mb": bucket_mb,
           "gradient_predivide_factor": gradient_predivide_factor}
 
-    def reduce(grads: list[Any], variables: list[Any]) -> list[Any]:
-        return grads if comm is None else reduce_gradients(grads, variables, comm, **kw)
+    def reduce(self: Any, grads: list[Any], variables: list[Any]) -> list[Any]:
+        if comm is None:
+            return grads
+        local = getattr(self, "_plait_local_vars", ())  # none in a copy made by from_config
+        shared = [i for i, v in enumerate(variables) if _key(v) not in local]
+        if len(shared) == len(variables):
+            return reduce_gradients(grads, variables, comm, **kw)
+        out = list(grads)
+        if shared:
+            reduced = reduce_gradients([grads[i] for i in shared], [variables[i] for i in shared],
+                                       comm, **kw)
+            for i, g in zip(shared, reduced):
+                out[i] = g
+        if scale_local_gradients:
+            out = [g if _key(v) not in local else _scaled_local(g, comm.size)
+                   for g, v in zip(out, variables)]
+        return out
+
+    def register_local_var(self: Any, var: Any) -> None:
+        """Keep ``var``'s gradient on this rank (Horovod's ``register_local_var``)."""
+        if not hasattr(self, "_plait_local_vars"):
+            self._plait_local_vars = set()
+        self._plait_local_vars.add(_key(var))
+
+    def compute_reduced(self: Any, loss: Any, var_list: Any, grad_loss: Any = None,
+                        tape: Any = None) -> list[tuple[Any, Any]]:
+        """Horovod's ``_compute_gradients``: the reduced ``(gradient, variable)`` pairs
+        of ``loss`` (a tensor recorded by ``tape``, or a callable) for ``var_list``."""
+        variables = list(var_list() if callable(var_list) else var_list)
+        if callable(loss):
+            tape = tape if tape is not None else tf.GradientTape()
+            with tape:
+                tape.watch([unwrap(v) for v in variables])
+                loss = loss()
+        elif tape is None:
+            raise invalid("tape", None, "the tf.GradientTape that recorded `loss` (or a callable loss)")
+        grads = list(tape.gradient(loss, variables, grad_loss))
+        return list(zip(reduce(self, grads, variables), variables))
 
     def build(self: Any, variables: Any) -> None:
         base.build(self, variables)
@@ -354,7 +398,7 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op
             variables = self._trainable_variables
         variables, grads = list(variables), list(grads)
         if passes == 1:
-            return base.apply(self, reduce(grads, variables), trainable_variables)
+            return base.apply(self, reduce(self, grads, variables), trainable_variables)
         if not self.built:
             self.build(variables)
         accumulators = [self._plait_accumulators[self._get_variable_index(v)] for v in variables]
@@ -364,7 +408,7 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op
 
         def update() -> None:
             summed = [tf.convert_to_tensor(unwrap(acc)) for acc in accumulators]
-            reduced = reduce(summed, variables)
+            reduced = reduce(self, summed, variables)
             if average_aggregated_gradients:
                 reduced = [g / passes for g in reduced]
             base.apply(self, reduced, variables)
@@ -375,6 +419,7 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op
         tf.cond(tf.equal(unwrap(self._plait_passes), passes), update, lambda: None)
         return None
 
-    cls: Any = type(base.__name__, (base,), {"apply": apply, "build": build,
-                                            "_plait_distributed": True})
+    cls: Any = type(base.__name__, (base,), {
+        "apply": apply, "build": build, "register_local_var": register_local_var,
+        "_compute_gradients": compute_reduced, "_plait_distributed": True})
     return cls.from_config(optimizer.get_config())

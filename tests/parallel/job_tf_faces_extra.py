@@ -293,6 +293,64 @@ def test_partial_tape_bad_local_layers():
         hvd.PartialDistributedGradientTape(object(), local_layers=[])
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+@pytest.mark.parametrize("scale", [True, False])
+def test_partial_keras_optimizer_keeps_local_layers_gradients_local(graph, scale):
+    """Horovod's Keras PartialDistributedOptimizer: ``apply_gradients`` applies the average
+    of the shared layers' gradients and this rank's own (scaled) local ones; Horovod's
+    ``_compute_gradients`` returns the same pairs."""
+    shared, local = _two_layers(hvd.rank())
+    variables = shared.trainable_weights + local.trainable_weights
+    opt = hk.PartialDistributedOptimizer(keras.optimizers.SGD(0.5), local_layers=[local],
+                                         scale_local_gradients=scale)
+    before = [np.asarray(v) for v in variables]
+    x = _data(hvd.rank())
+
+    def step(x: tf.Tensor) -> None:
+        with tf.GradientTape() as tape:
+            loss = _loss(shared, local, x)
+        opt.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    (tf.function(step) if graph else step)(x)
+    own, average = _references()
+    k = len(shared.trainable_weights)
+    wanted = average[:k] + [g / (hvd.size() if scale else 1) for g in own[k:]]
+    for v, b, g in zip(variables, before, wanted):
+        _close(v, b - 0.5 * np.asarray(g), v.path)
+    for v, b in zip(variables, before):
+        v.assign(b)
+    with tf.GradientTape() as tape:
+        loss = _loss(shared, local, x)
+    pairs = opt._compute_gradients(loss, variables, tape=tape)
+    assert [v is w for (_, v), w in zip(pairs, variables)] == [True] * len(variables)
+    for (g, v), w in zip(pairs, wanted):
+        _close(g, w, v.path)
+    plain = hk.DistributedOptimizer(keras.optimizers.SGD(0.5))  # register_local_var by hand
+    plain.register_local_var(local.kernel)
+    pairs = plain._compute_gradients(lambda: _loss(shared, local, x), variables)
+    for (g, v), a, o in zip(pairs, average, own):
+        _close(g, o / hvd.size() if v is local.kernel else a, v.path)
+
+
+def test_broadcast_callback_keeps_local_variables_as_horovod():
+    """BroadcastGlobalVariablesCallback(local_variables=...): those keep each rank's value,
+    every other variable gets the root's."""
+    root = hvd.size() - 1
+    init = keras.initializers.Constant(float(hvd.rank()))
+    model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, kernel_initializer=init,
+                                                                    bias_initializer=init),
+                              keras.layers.Dense(3, kernel_initializer=init, bias_initializer=init)])
+    model.compile(hk.DistributedOptimizer(keras.optimizers.SGD(0.0)), "mse")
+    local = list(model.layers[0].variables)
+    model.fit(np.ones((2, 3)), np.ones((2, 3)), verbose=0, callbacks=[
+        hk.callbacks.BroadcastGlobalVariablesCallback(root_rank=root, local_variables=local)])
+    for v in model.variables:
+        _close(v, np.full(v.shape, float(hvd.rank() if any(v is w for w in local) else root)), v.path)
+    for bad in (local[0], "kernel", 3, [local[0], 1.0]):
+        with pytest.raises(ValueError, match="local_variables"):
+            hk.callbacks.BroadcastGlobalVariablesCallback(0, local_variables=bad)
+
+
 # ---- load_model, broadcast_global_variables ---------------------------------------------
 
 

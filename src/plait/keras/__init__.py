@@ -40,7 +40,8 @@ from . import callbacks
 
 __all__ = [
     "Adasum", "Average", "Compression", "Compressor", "DistributedOptimizer",
-    "HorovodInternalError", "Max", "Min", "Product", "ProcessSet", "Sum", "SyncBatchNormalization",
+    "HorovodInternalError", "Max", "Min", "PartialDistributedOptimizer", "Product", "ProcessSet",
+    "Sum", "SyncBatchNormalization",
     "add_process_set", "allgather", "allreduce", "backend", "broadcast",
     "broadcast_global_variables", "broadcast_variables", "callbacks", "load_model",
     "cross_rank", "cross_size", "reducescatter",
@@ -76,10 +77,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
 
     The signature is Horovod 0.28's, plus plait's keyword-only ``bucket_mb`` and
     ``memory``; an unknown keyword is a ``TypeError``. Gradients are always reduced
-    dense (``sparse_as_dense`` has no effect), ``name``, the device arguments and
-    ``scale_local_gradients`` (plait has no worker-local variables) are accepted and
-    have no effect, and ``groups`` / ``num_groups`` are validated but fusion follows
-    ``bucket_mb``.
+    dense (``sparse_as_dense`` has no effect), ``name`` and the device arguments are
+    accepted and have no effect, and ``groups`` / ``num_groups`` are validated but fusion
+    follows ``bucket_mb``. Variables given to its ``register_local_var`` keep this rank's
+    gradient (see :func:`PartialDistributedOptimizer`).
 
     Args:
         optimizer: a Keras 3 optimizer.
@@ -96,7 +97,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         groups: Horovod's explicit allreduce groups (validated; fusion follows ``bucket_mb``).
         process_set: data-parallel sub-communicator (default: all ranks); on a rank
             outside a Horovod ``ProcessSet`` the gradients stay its own, as in Horovod.
-        scale_local_gradients: no effect.
+        scale_local_gradients: divide the gradients of local variables by the number
+            of ranks (Horovod's default).
         bucket_mb: fusion bucket size in MiB (0: one gradient per allreduce).
         memory: error-feedback memory for ``compression`` (e.g. ``Residual()``).
 
@@ -116,7 +118,58 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         bucket_mb=bucket_mb, compression=compressor,
         memory=memory, backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients,
-        gradient_predivide_factor=gradient_predivide_factor)
+        gradient_predivide_factor=gradient_predivide_factor,
+        scale_local_gradients=scale_local_gradients)
+
+
+def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
+    optimizer: Any, name: str | None = None, device_dense: str = "", device_sparse: str = "",
+    compression: Any = Compression.none, sparse_as_dense: bool = False,
+    gradient_predivide_factor: float = 1.0, op: str = Average, backward_passes_per_step: int = 1,
+    average_aggregated_gradients: bool = False, groups: Any = None, process_set: Any = None,
+    local_layers: Any = None, scale_local_gradients: bool = True, *,
+    bucket_mb: float = DEFAULT_BUCKET_MB, memory: Any = None,
+) -> Any:
+    """Horovod's ``PartialDistributedOptimizer``: a :func:`DistributedOptimizer` that
+    does not reduce the gradients of the trainable variables of ``local_layers``; each
+    rank applies its own (divided by the number of ranks with ``scale_local_gradients``,
+    Horovod's default, so that a learning rate scaled by the number of ranks fits them too).
+
+    Args:
+        optimizer: a Keras 3 optimizer.
+        name: no effect.
+        device_dense: no effect.
+        device_sparse: no effect.
+        compression: as :func:`DistributedOptimizer`.
+        sparse_as_dense: no effect (always dense).
+        gradient_predivide_factor: divide before the sum, multiply after.
+        op: Average (default) or Sum.
+        backward_passes_per_step: local passes accumulated per reduction and update.
+        average_aggregated_gradients: apply the mean of the accumulated passes.
+        groups: Horovod's explicit allreduce groups (validated only).
+        process_set: data-parallel sub-communicator (default: all ranks).
+        local_layers: a Keras layer or a list of them whose gradients stay local; None:
+            a plain :func:`DistributedOptimizer`.
+        scale_local_gradients: divide the local gradients by the number of ranks.
+        bucket_mb: fusion bucket size in MiB.
+        memory: error-feedback memory for ``compression``.
+
+    Returns:
+        The distributed optimizer, with the local layers' variables registered.
+
+    Raises:
+        ConfigError: for ``local_layers`` that are not Keras layers, or as
+            :func:`DistributedOptimizer`.
+    """
+    local = tf_optim.local_layer_variables(local_layers)
+    opt = DistributedOptimizer(
+        optimizer, name, device_dense, device_sparse, compression, sparse_as_dense,
+        gradient_predivide_factor, op, backward_passes_per_step, average_aggregated_gradients,
+        groups=groups, process_set=process_set, scale_local_gradients=scale_local_gradients,
+        bucket_mb=bucket_mb, memory=memory)
+    for variable in local:
+        opt.register_local_var(variable)
+    return opt
 
 
 def load_model(filepath: Any, custom_optimizers: Any = None, custom_objects: Any = None,

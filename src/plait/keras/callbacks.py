@@ -15,9 +15,11 @@ __all__ = ["BroadcastGlobalVariablesCallback", "LearningRateScheduleCallback",
 
 
 def BroadcastGlobalVariablesCallback(root_rank: int = 0, device: str = "",  # noqa: N802
-                                     process_set: Any = None) -> Any:
-    """Copy ``root_rank``'s model and optimizer variables to all ranks when training starts."""
-    return _cb.BroadcastGlobalVariablesCallback(*reversed(Face.target(process_set, root_rank)))
+                                     local_variables: Any = None, process_set: Any = None) -> Any:
+    """Copy ``root_rank``'s model and optimizer variables to all ranks when training
+    starts, except ``local_variables`` (a list of variables that keep each rank's value)."""
+    comm, root = Face.target(process_set, root_rank)
+    return _cb.BroadcastGlobalVariablesCallback(root, comm, local_variables)
 
 
 def MetricAverageCallback(device: str = "",  # noqa: N802
