@@ -92,6 +92,9 @@ _NAP_S = 2e-4
 _QUICK_POLLS = 64
 #: Seconds between the progress thread's polls while collectives are in flight.
 PROGRESS_S = 5e-4
+#: Seconds a communicator lets its unfinished collectives complete at exit (and how
+#: long nothing may move meanwhile).
+DRAIN_S, DRAIN_QUIET_S = 5.0, 1.0
 _MAX_CHUNKS = 4096  # tags per ring collective
 
 
@@ -104,6 +107,33 @@ def start_mpi() -> None:
         return
     MPI.Init_thread(MPI.THREAD_MULTIPLE)
     atexit.register(lambda: None if MPI.Is_finalized() else MPI.Finalize())
+
+
+def _drain_at_exit(owner: MPICommunicator) -> None:
+    """At interpreter exit (before the goodbyes and ``MPI_Finalize``), let the
+    collectives of ``owner`` still in flight complete: a handle never waited for (Horovod's
+    users drop some) left an ``MPI_Iallreduce`` running into ``MPI_Finalize``, which then
+    crashed Open MPI (SIGSEGV or a corrupted heap). Bounded by :data:`DRAIN_S` and
+    :data:`DRAIN_QUIET_S`; nothing to do after a wait of this communicator failed (its
+    collectives in flight cannot complete), and ends once another rank said goodbye."""
+    ref = weakref.ref(owner)
+
+    def drain() -> None:
+        comm = ref()
+        if comm is None or comm._given_up or MPI.Is_finalized():
+            return
+        now = time.monotonic()
+        deadline, quiet = now + DRAIN_S, now
+        while comm._rings and now < deadline and now - quiet < DRAIN_QUIET_S:
+            if comm._drive():
+                quiet = now
+            comm._departures.read()
+            if comm._departures.gone:
+                return
+            time.sleep(PROGRESS_S)
+            now = time.monotonic()
+
+    atexit.register(drain)
 
 
 def thread_level() -> str:
@@ -294,6 +324,7 @@ class MPICommunicator(CommunicatorBase):
         self._ring_comm = self.comm.Dup()  # ring messages never meet user send/recv
         self._departures = Departures(self._ring_comm, _BYE_TAG)
         say_goodbye_at_exit(self, self._ring_comm, _BYE_TAG)
+        _drain_at_exit(self)  # registered after the goodbyes: runs before them
         # the tag ranges of successive rings; a split communicator used to fall back to
         # 7 ranges (32767 // 4096), so a DP step with more buckets in flight reused tags
         # of rings still running: messages crossed between buckets (MPI_ERR_TRUNCATE or
@@ -302,6 +333,9 @@ class MPICommunicator(CommunicatorBase):
         # collectives in flight, in start order, driven under the lock by the progress
         # thread and by waiters
         self._rings: list[Ring | Chain | Exchange | Relay | _Request] = []
+        # per engine in flight (by id): its handle's buffers, which MPI may still write to
+        # (a caller may drop the handle, Horovod's users do, without waiting for it)
+        self._held: dict[int, tuple[Any, Any]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -321,6 +355,7 @@ class MPICommunicator(CommunicatorBase):
         self._ring_seq = 0
         self._joiners: list[weakref.WeakMethod[Any]] = []  # see serve_joined
         self._abandoned: list[Any] = []  # requests given up on (timeouts), with their buffers
+        self._given_up = False  # a wait raised (see _drain_at_exit)
         self._calls = 0  # bounded collective waits so far (the "#k" of the timeout report)
         self._asked = 0  # timeouts reported so far (the id of each "who is waiting?")
         self._answers: list[Any] = []  # answers in flight
@@ -355,6 +390,9 @@ class MPICommunicator(CommunicatorBase):
                 ring.progress()
                 moved = moved or ring.moved != before
             if any(r.complete for r in self._rings):
+                for r in self._rings:
+                    if r.complete:
+                        self._held.pop(id(r), None)
                 self._rings = [r for r in self._rings if not r.complete]
             return moved
         finally:
@@ -399,6 +437,9 @@ class MPICommunicator(CommunicatorBase):
         self._unwatched.clear()
         try:
             self._wait_loop(ready, timed_out, seq, point)
+        except BaseException:
+            self._given_up = True
+            raise
         finally:
             self._waiting.discard(token)
             if not self._waiting:
@@ -823,6 +864,7 @@ class MPICommunicator(CommunicatorBase):
         11-21 us to an 8 KiB alltoall or allgather, measured with ``PLAIT_BLOCKING=never``)."""
         with self._lock:
             self._rings.append(engine)
+            self._held[id(engine)] = (finish, keep)
         # Open MPI's own request also moves inside this rank's next MPI call; where no
         # core is spare, a thread polling it slowed the steps it overlaps (see Tuning)
         if not sync and (self._drive_requests or not isinstance(engine, _Request)):

@@ -99,6 +99,24 @@ def test_allreduce_async_and_grouped(comm, efw):
         close(efw.numpy(b), reference("sum", "float32", comm.size, (k + 1,)), "float32")
 
 
+def test_dropped_async_handles_leave_later_collectives_intact(comm, efw):
+    """Horovod's users drop handles they never wait for (its own tests do): collectives
+    still in flight keep their buffers, so later collectives get their own results (on the
+    MPI backend a dropped MPI_Iallreduce used to write into freed memory: SIGSEGV)."""
+    import gc
+
+    for n in (3, 5000, 70000):  # in the header, Open MPI's own, plait's ring
+        x = efw.tensor(data(comm.rank, "float32", (n,)), "float32")
+        comm.allreduce_async(x, op="sum")
+        comm.allgather_async(x)
+        comm.broadcast_async(x, root=0)
+    gc.collect()
+    for i in range(10):
+        for n in (3, 5000, 70000):
+            out = comm.allreduce(efw.tensor(np.full(n, float(i), np.float32), "float32"), op="sum")
+            assert (efw.numpy(out) == i * comm.size).all(), (i, n)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_allgather_ragged(comm, fw, dtype):
     rows = comm.rank + 1
