@@ -111,7 +111,7 @@ def test_dropped_async_handles_leave_later_collectives_intact(comm, efw):
         comm.allgather_async(x)
         comm.broadcast_async(x, root=0)
     gc.collect()
-    for i in range(10):
+    for i in range(4):
         for n in (3, 5000, 70000):
             out = comm.allreduce(efw.tensor(np.full(n, float(i), np.float32), "float32"), op="sum")
             assert (efw.numpy(out) == i * comm.size).all(), (i, n)
