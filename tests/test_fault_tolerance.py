@@ -39,7 +39,7 @@ from plait.testing.pytest_fixtures import emulated_hosts  # noqa: F401  (fixture
 torch = pytest.importorskip("torch")
 JOB = str(ROOT / "tests" / "parallel" / "job_ckpt_train.py")
 STEPS = 10
-RUNS = 6  # each run: its own seeded kill schedule; 1 kill (2 in every third run)
+RUNS = 4  # each run: its own seeded kill schedule; 1 kill (2 in every third run)
 RESTART_LINE = re.compile(r"restart (\d+)/\d+ in")
 
 
@@ -203,8 +203,8 @@ def sigkill_runs(tmp_path: Path, digits: str, framework: str, runs: int) -> int:
 
 @pytest.mark.timeout(1200)
 def test_random_sigkills_resume_to_bitwise_equal_weights(tmp_path: Path, digits: str) -> None:
-    """torch: 6 runs, 8 kills (two in every third run)."""
-    assert sigkill_runs(tmp_path, digits, "torch", RUNS) >= 8
+    """torch: 4 runs, 5 kills (two in the third run), a new seed each time (PLAIT_FT_SEED)."""
+    assert sigkill_runs(tmp_path, digits, "torch", RUNS) >= 5
 
 
 @pytest.mark.timeout(900)
