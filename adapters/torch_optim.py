@@ -11,6 +11,7 @@ is still outstanding.
 from __future__ import annotations
 
 import contextlib
+import os
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -46,6 +47,7 @@ class _Distributed:
     _plait_counts: dict[str, int]
     _plait_zeros: dict[str, int]
     _plait_passes: int
+    _plait_generation: int
     _plait_skip: bool
     _plait_synchronized: bool
     _plait_predivide: float
@@ -53,9 +55,14 @@ class _Distributed:
 
     def _plait_hook(self, name: str) -> Any:
         counts, passes, predivide = self._plait_counts, self._plait_passes, self._plait_predivide
-        ready = self._plait_reducer.ready
+        ready, comm = self._plait_reducer.ready, self._plait_reducer.comm
 
         def hook(p: torch.Tensor) -> None:
+            generation = getattr(comm, "generation", 0)
+            if generation != self._plait_generation:
+                # an elastic reset interrupted a step: its gradients are computed again
+                self._plait_generation = generation
+                counts.update(self._plait_zeros)
             n = counts[name] + 1
             counts[name] = n
             if n == passes:
@@ -268,7 +275,9 @@ def distributed_optimizer(
     dist._plait_zeros = dict(dist._plait_counts)
     dist._plait_passes = backward_passes_per_step
     dist._plait_predivide = float(gradient_predivide_factor)
-    if comm.size > 1:
+    dist._plait_generation = getattr(comm, "generation", 0)
+    if comm.size > 1 or os.environ.get("HOROVOD_ELASTIC") == "1":  # Horovod's condition: a
+        # worker alone at first gets hooks too, for when others join
         for n, p in named:
             p.register_post_accumulate_grad_hook(dist._plait_hook(n))
     return dist  # type: ignore[no-any-return]

@@ -9,6 +9,7 @@ This module imports horovod (only ``collectives/`` may).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -69,10 +70,23 @@ class TorchState(LateHostUpdates, _HorovodTorchState):  # type: ignore[misc]
 
     def sync(self) -> None:
         """Make every worker (new ones too) hold rank 0's state, once every worker was
-        found to run the job's versions (see :func:`check_versions`)."""
+        found to run the job's versions (see :func:`check_versions`).
+
+        Horovod's optimizer handler gives an optimizer without state (a new worker's; any
+        worker's SGD without momentum) one step with zero gradients first, meant to be
+        local: with its own optimizer it calls the wrapped class's ``step()``. A plait
+        optimizer's ``step()`` would synchronize, a collective that only the workers
+        without state reach (the others wait in the broadcast: a hang), so it runs in
+        ``skip_synchronize()`` here.
+        """
         check_versions(lambda obj: hvd.allgather_object(obj, name="plait.elastic.versions"),
                        int(hvd.rank()))
-        super().sync()
+        with contextlib.ExitStack() as local:
+            for handler in self._handlers.values():
+                skip = getattr(handler.value, "skip_synchronize", None)
+                if callable(skip):
+                    local.enter_context(skip())
+            super().sync()
         self._plait.sync(lambda obj, name: hvd.broadcast_object(obj, root_rank=0, name=name))
 
 

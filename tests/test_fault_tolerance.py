@@ -330,8 +330,9 @@ Factory = Callable[..., EmulatedHosts]
 
 
 def horovod_elastic(tmp_path: Path, job: str, hosts_text: str, env: dict[str, str],
-                    timeout: float, hosts: EmulatedHosts | None = None, min_np: int = 2) -> str:
-    """Run ``job`` under ``horovodrun`` in elastic mode (2 workers at the start, ``min_np``
+                    timeout: float, hosts: EmulatedHosts | None = None, min_np: int = 2,
+                    np: int = 2) -> str:
+    """Run ``job`` under ``horovodrun`` in elastic mode (``np`` workers at the start, ``min_np``
     to 3) with a discovery script printing HVD_HOSTS, which the job rewrites; return stdout
     and stderr. Asserts exit 0."""
     hosts_file = tmp_path / "hosts"
@@ -339,7 +340,7 @@ def horovod_elastic(tmp_path: Path, job: str, hosts_text: str, env: dict[str, st
     discover = tmp_path / "discover.sh"
     discover.write_text(f"#!/bin/sh\ncat {hosts_file}\n")
     discover.chmod(0o755)
-    argv = [str(Path(sys.executable).parent / "horovodrun"), "-np", "2", "--min-np", str(min_np),
+    argv = [str(Path(sys.executable).parent / "horovodrun"), "-np", str(np), "--min-np", str(min_np),
             "--max-np", "3", "--host-discovery-script", str(discover), "--gloo",
             "--network-interface", "lo" if hosts is None else "eth0", "--start-timeout", "120",
             sys.executable, str(ROOT / "tests" / "parallel" / job)]
@@ -363,10 +364,16 @@ HOROVODRUN = pytest.mark.skipif(not (Path(sys.executable).parent / "horovodrun")
 def test_horovod_elastic_torch_adds_a_host_and_survives_a_killed_worker(
         tmp_path: Path, digits: str, emulated_hosts: Factory) -> None:  # noqa: F811
     """``import plait.torch as hvd`` elastic on 3 emulated hosts: the discovery script
-    lists 2 hosts, then the third (2 -> 3 workers); at step 8 the worker on the second host
-    is SIGKILLed while the others are in that step's gradient allreduces, and the two
+    lists 1 host, then all three (1 -> 3 workers); at step 8 the worker on the first host
+    (horovodrun's) is SIGKILLed while the others are in that step's gradient allreduces, and the two
     others restore the last commit and finish (3 -> 2; Horovod leaves the dead worker's
     host out). Removing a host from discovery: the Keras test below.
+
+    SGD with momentum: the first worker's optimizer has state when the others join and
+    theirs has none, so only theirs take Horovod's state-initialising step in the sync
+    (local: it hung in plait's synchronize); and the first worker's optimizer was made
+    alone, where the others' were made in a group (it must decide to check its buckets
+    once as they do: it did not, and they hung in the split of their unchecked copy).
 
     A survivor may wait out Gloo's timeout in a send to the other survivor, which already
     left that exchange (Gloo's `unbound_buffer` "Timed out waiting ... for send operation");
@@ -374,27 +381,29 @@ def test_horovod_elastic_torch_adds_a_host_and_survives_a_killed_worker(
     ``HOROVOD_GLOO_TIMEOUT_SECONDS=10`` keeps the test short."""
     hosts = emulated_hosts(3, slots=1)
     names = hosts.hosts
-    two = f"{names[0]}:1\n{names[1]}:1\n"
-    out = horovod_elastic(tmp_path, "job_ckpt_hvd_elastic.py", two,
+    # the first worker is not on horovodrun's host (alone there, Horovod looks for 127.0.0.1)
+    out = horovod_elastic(tmp_path, "job_ckpt_hvd_elastic.py", f"{names[1]}:1\n",
                           {"FT_DATA": digits, "HVD_ADD": "3", "HVD_REMOVE": "99", "HVD_STEPS": "14",
-                           "HVD_GROWN": f"{two}{names[2]}:1\n", "HVD_KILL": f"8:{names[1]}",
+                           "HVD_GROWN": "".join(f"{names[i]}:1\n" for i in (1, 0, 2)),
+                           "HVD_KILL": f"8:{names[0]}", "HVD_MOMENTUM": "0.9",
                            "HOROVOD_GLOO_TIMEOUT_SECONDS": "10"},
-                          timeout=360, hosts=hosts)
-    check_grown_then_killed(out, 14, names[2])
+                          timeout=360, hosts=hosts, min_np=1, np=1)
+    check_grown_then_killed(out, 14, [names[0], names[2]], [1, 3, 2])
 
 
-def check_grown_then_killed(out: str, steps: int, added: str) -> None:
-    """2 -> 3 -> 2 workers, equal replicas; the plait state object (a residual memory
-    counting steps) was committed and synced: every rank, the one that joined late
-    included, counted all ``steps``; the worker that joined ran on the ``added`` host."""
+def check_grown_then_killed(out: str, steps: int, added: list[str], sizes: list[int]) -> None:
+    """The job's sizes were ``sizes`` (it grew to 3, then a worker was killed), equal
+    replicas; the plait state object (a residual memory counting steps) was committed and
+    synced: every rank, the one that joined late included, counted all ``steps``; the worker
+    that joined as rank 2 ran on one of the ``added`` hosts."""
     done = re.search(r"HVD done sizes=\[(.*?)\] replicas_equal=(\w+) residual_steps=\[(.*?)\]", out)
     assert done is not None, out[-3000:]
-    assert [int(s) for s in done.group(1).split(",")] == [2, 3, 2], out[-3000:]
+    assert [int(s) for s in done.group(1).split(",")] == sizes, out[-3000:]
     assert done.group(2) == "True", out[-3000:]
     assert [float(s) for s in done.group(3).split(",")] == [float(steps)] * 2, out[-3000:]
     joined = re.search(r"HVD joined rank=2 step=(\d+) seen=([\d.]+) host=(\S+)", out)
     assert joined is not None and int(joined.group(1)) == float(joined.group(2)) > 1, out[-3000:]
-    assert joined.group(3) == added, out[-3000:]
+    assert joined.group(3) in added, out[-3000:]
     # a step() after the reset is not taken for a second synchronize (the failed one did not count)
     assert "without optimizer.skip_synchronize()" not in out, out[-3000:]
 
@@ -416,7 +425,7 @@ def test_horovod_elastic_tf_loop_traced_before_a_host_joins_survives_a_killed_wo
                            "HVD_GROWN": f"{two}{names[2]}:1\n", "HVD_KILL": f"8:{names[1]}",
                            "HOROVOD_GLOO_TIMEOUT_SECONDS": "10"},
                           timeout=360, hosts=hosts)
-    check_grown_then_killed(out, 12, names[2])
+    check_grown_then_killed(out, 12, [names[2]], [2, 3, 2])
 
 
 @HOROVODRUN

@@ -20,6 +20,7 @@ object makes it collective: rank 0 gathers and writes); at the end every worker 
 latest one into a fresh model and reports its step and whether its weights equal the trained
 ones. On the host named HVD_ODD_HOST plait reports another version (that worker must leave the job).
 A worker's host is Horovod's name for it (``HOROVOD_HOSTNAME``), else its host name.
+HVD_MOMENTUM: the SGD momentum (default 0: an optimizer without state).
 """
 
 from __future__ import annotations
@@ -136,7 +137,8 @@ def main() -> None:
         y_all = torch.tensor(data["y"], dtype=torch.int64)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.ReLU(), torch.nn.Linear(32, 10))
-    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05),
+    momentum = float(os.environ.get("HVD_MOMENTUM", "0"))
+    opt = hvd.DistributedOptimizer(torch.optim.SGD(model.parameters(), lr=0.05, momentum=momentum),
                                    named_parameters=model.named_parameters())
     memory = Residual()
     memory.residuals["seen"] = torch.zeros(1)

@@ -201,7 +201,8 @@ class GradientReducer:
         self._last: float | None = None
         # checked once per plan: the private unchecked communicator, and whether the
         # current plan already ran once (checked)
-        self._check_once = check_once and (self._plain or self._cast) and checks_once(comm)
+        self._check_once_asked = check_once and (self._plain or self._cast)
+        self._check_once = self._check_once_asked and checks_once(comm)
         self._fast: Communicator | None = None
         self._verified = False
         self._generation = getattr(comm, "generation", 0)
@@ -454,6 +455,10 @@ class GradientReducer:
         self._next = 0
         self._fast, self._verified = None, False  # groups split before a reset are gone too
         self._notice = None
+        # decided again on the new membership, as a worker that just joined decides it (a
+        # reducer made on one worker never checked once; grown to 2, its new peer did, and
+        # waited alone in the split of its unchecked copy: a hang, measured)
+        self._check_once = self._check_once_asked and checks_once(self.comm)
         if self._tune_on:  # tune again with the new members, in step with a worker that
             # just joined (its tuner is new: an old decision left it alone in the agreeing
             # allreduce, waiting for the timeout, measured)
