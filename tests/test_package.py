@@ -92,8 +92,11 @@ def test_cli_rejects_unknown_commands():
 
 
 def test_world_before_init_is_a_clear_error():
-    with pytest.raises(plait.PlaitError, match="plait.init"):
+    """A ``ValueError``, as Horovod's ``hvd.rank()`` before ``hvd.init()`` or after
+    ``hvd.shutdown()``: code written for Horovod catches it."""
+    with pytest.raises(ValueError, match="plait.init") as err:
         plait.world()
+    assert isinstance(err.value, plait.PlaitError)
 
 
 def test_mpi_backend_starts_mpi_when_mpi4py_was_told_not_to():

@@ -12,6 +12,7 @@ __all__ = [
     "ConfigError",
     "HorovodInternalError",
     "MismatchError",
+    "NotInitializedError",
     "PlaitError",
     "PlaitTypeError",
 ]
@@ -26,6 +27,11 @@ class ConfigError(PlaitError, ValueError):
 
     The message names the argument, shows the value and says what is valid.
     """
+
+
+class NotInitializedError(PlaitError, ValueError):
+    """plait was used before ``init()`` or after ``shutdown()`` (a ``ValueError``, as
+    Horovod's "Horovod has not been initialized")."""
 
 
 class PlaitTypeError(PlaitError, TypeError):

@@ -14,7 +14,7 @@ import sys
 from typing import Any
 
 from .config import Config
-from .errors import BackendUnavailableError, PlaitError
+from .errors import BackendUnavailableError, ConfigError, NotInitializedError, PlaitError
 from .protocols import Communicator
 
 __all__ = ["choose_backend", "init", "is_initialized", "shutdown", "started_by_horovodrun", "world"]
@@ -126,10 +126,10 @@ def world() -> Communicator:
     """The communicator made by :func:`init`.
 
     Raises:
-        PlaitError: when :func:`init` has not been called.
+        NotInitializedError: (a ``ValueError``) before :func:`init` or after :func:`shutdown`.
     """
     if _RUNTIME.world is None:
-        raise PlaitError("plait is not initialised: call plait.init() (or hvd.init()) first")
+        raise NotInitializedError("plait is not initialised: call plait.init() (or hvd.init()) first")
     return _RUNTIME.world
 
 
@@ -139,5 +139,13 @@ def is_initialized() -> bool:
 
 
 def shutdown() -> None:
-    """Forget the world communicator (MPI itself is finalised at exit)."""
-    _RUNTIME.world = None
+    """Forget the world communicator (MPI itself is finalised at exit). Horovod's timeline
+    (``HOROVOD_TIMELINE`` on the MPI backend) is closed, a valid JSON file, as Horovod's
+    ``shutdown`` leaves it; plait's own (``PLAIT_TIMELINE``) is merged at exit."""
+    comm, _RUNTIME.world = _RUNTIME.world, None
+    if comm is not None and os.environ.get("HOROVOD_TIMELINE"):
+        timeline = importlib.import_module("plait.collectives.timeline")
+        try:
+            timeline.horovod_recorder(comm).stop()
+        except ConfigError:  # no Horovod timeline on this communicator
+            pass

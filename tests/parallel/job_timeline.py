@@ -3,7 +3,8 @@
 ``::test_timeline_records_collectives`` (with ``PLAIT_TIMELINE`` set) makes a known sequence of
 collectives on both backends; the outer test checks the merged file.
 ``::test_horovod_timeline_layout`` (same launch): ``HOROVOD_TIMELINE`` on the MPI backend
-writes Horovod's layout on rank 0, flushed after each collective, and its dynamic form.
+writes Horovod's layout on rank 0, flushed after each collective, its dynamic form, and
+a complete file after ``plait.shutdown()``.
 ``::test_stall_inspector_names_the_missing_rank`` (with ``PLAIT_STALL_WARNING`` and
 ``PLAIT_STALL_SHUTDOWN`` set): rank 1 never submits a tensor; rank 0's inspector must
 name it and end the job.
@@ -95,6 +96,21 @@ def test_horovod_timeline_layout():
     # without HOROVOD_TIMELINE at start there is no dynamic timeline, as in Horovod
     with pytest.raises(ValueError, match="HOROVOD_TIMELINE=DYNAMIC"):
         horovod_recorder(make_comm("mpi"))
+    # hvd.shutdown() leaves the file complete (valid JSON), as Horovod's does
+    import plait
+
+    ours = os.environ.pop("PLAIT_TIMELINE")  # it would win over Horovod's
+    os.environ["HOROVOD_TIMELINE"] = path + ".shutdown"
+    try:
+        world = plait.init("mpi")
+        world.allreduce(x, op="sum", name="last")
+        plait.shutdown()
+    finally:
+        del os.environ["HOROVOD_TIMELINE"]
+        os.environ["PLAIT_TIMELINE"] = ours
+    if comm.rank == 0:
+        events = json.loads(open(path + ".shutdown").read())
+        assert any(e.get("args", {}).get("name") == "allreduce.last" for e in events), events
 
 
 def test_stall_inspector_names_the_missing_rank():
