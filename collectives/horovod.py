@@ -111,7 +111,12 @@ class _World:
 
     def __init__(self, framework: str) -> None:
         if mpi_launched():
-            from mpi4py import MPI  # noqa: F401  (MPI first, at THREAD_MULTIPLE)
+            # MPI first, at THREAD_MULTIPLE, by plait also where the script told mpi4py not to
+            # start it (Horovod's own tests do): Horovod would start it itself, and finalize
+            # it when it shuts down, so the restart that process sets need aborted the job
+            from .mpi import start_mpi
+
+            start_mpi()
         self.framework = framework
         self.hvd = _import(framework)
         # plait names every op anew (a sequence number), so Horovod's response cache

@@ -1,4 +1,5 @@
-"""Packaging, import hygiene, configuration errors and the command line (single process)."""
+"""Packaging, import hygiene, configuration errors and the command line (single process;
+one 2-rank launch: MPI started by plait for the Horovod backend)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from jobs import ROOT
+from jobs import ROOT, run_job
 
 import plait
 from plait.config import Config
@@ -112,3 +113,24 @@ def test_mpi_backend_starts_mpi_when_mpi4py_was_told_not_to():
                           env={**os.environ, "PYTHONPATH": str(ROOT), "OMPI_ALLOW_RUN_AS_ROOT": "1",
                                "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"})
     assert proc.returncode == 0 and "[1.0, 1.0]" in proc.stdout, proc.stderr[-2000:]
+
+
+@pytest.mark.timeout(180)
+def test_horovod_backend_with_process_sets_when_mpi4py_was_told_not_to():
+    """The same with ``hvd.init(process_sets=[...])`` on the Horovod backend under mpirun, as
+    Horovod's test_process_sets_static.py does: Horovod started MPI and finalized it when
+    plait restarted it with process sets (the job aborted), and a rank that shut Horovod down
+    right after init failed another rank's op still pending in its own process set."""
+    code = ("import mpi4py; mpi4py.rc.initialize = False\n"
+            "import torch, plait.torch as hvd\n"
+            "sets = [hvd.ProcessSet([0]), hvd.ProcessSet([1])]\n"
+            "hvd.init(process_sets=sets)\n"
+            "mine = hvd.allreduce(torch.ones(2) * (hvd.rank() + 1), op=hvd.Sum,\n"
+            "                     process_set=sets[hvd.rank()])\n"
+            "both = hvd.allreduce(torch.ones(1), op=hvd.Sum)\n"
+            "print(f'rank {hvd.rank()}: {mine.tolist()} {both.tolist()}', flush=True)\n"
+            "hvd.shutdown()\n")
+    job = run_job("mpirun", 2, [sys.executable, "-c", code], timeout=150,
+                  env={"PLAIT_BACKEND": "horovod"})
+    assert job.returncode == 0, job.tail()
+    assert "rank 0: [1.0, 1.0] [2.0]" in job.output and "rank 1: [2.0, 2.0] [2.0]" in job.output, job.tail()

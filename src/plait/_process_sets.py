@@ -141,6 +141,10 @@ def _register(ps: ProcessSet) -> ProcessSet:
     _check(ps, world)
     member = world.rank in ps.ranks
     sub = world.split(0 if member else 1, world.rank)  # collective over every rank
+    # every rank leaves together, as from Horovod's registration: the new groups' first ops
+    # (their topology) meet only their members, and a rank done with its own that shut
+    # Horovod down at once failed another group's still pending (Horovod backend)
+    world.barrier()
     ps._comm = sub if member else None
     ps.process_set_id = _REG.free_id()
     _REG.sets[ps.process_set_id] = ps
