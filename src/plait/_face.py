@@ -200,6 +200,21 @@ def elastic_attribute(face: str, module: str, submodules: Sequence[str] = ()) ->
     return __getattr__
 
 
+def _every_process(comm: Any) -> bool:
+    """Whether Horovod's ``init(comm=...)`` names every process of the job: an mpi4py
+    communicator as large as ``COMM_WORLD``, or the list of all ranks (the job's size from
+    the launcher's environment)."""
+    if type(comm).__module__.startswith("mpi4py"):
+        from mpi4py import MPI
+
+        return bool(comm.Get_size() == MPI.COMM_WORLD.Get_size())
+    size = os.environ.get("OMPI_COMM_WORLD_SIZE") or os.environ.get("HOROVOD_SIZE")
+    try:
+        return size is not None and sorted(int(r) for r in comm) == list(range(int(size)))
+    except (TypeError, ValueError):
+        return False
+
+
 def split_list(items: Sequence[Any], n: int) -> list[Sequence[Any]]:
     """Horovod's ``split_list``: ``items`` in ``n`` consecutive chunks whose lengths differ
     by at most one (the longer ones first)."""
@@ -311,19 +326,22 @@ class Face:
         """Start plait (``hvd.init()``); every rank must call it.
 
         Args:
-            comm: must be None (plait always starts on all ranks).
+            comm: None, or what Horovod takes that means every rank: an mpi4py
+                communicator of every process, or the list of all ranks (plait always
+                starts on all ranks).
             process_sets: Horovod's: None, ``"dynamic"`` or a list of ``ProcessSet``.
             backend: "mpi", "horovod" or "auto" (default: ``PLAIT_BACKEND``).
             **kwargs: ``check`` / ``timeout`` of :func:`plait.init`.
 
         Raises:
-            ConfigError: when ``comm`` (Horovod's list of ranks / MPI communicator) is given
-                (use ``process_sets`` or :meth:`Communicator.split` for sub-groups), or for
-                bad process sets.
+            ConfigError: when ``comm`` (Horovod's list of ranks / MPI communicator) leaves
+                out some process (use ``process_sets`` or :meth:`Communicator.split` for
+                sub-groups), or for bad process sets.
         """
-        if comm is not None:
-            raise invalid("comm", comm, "None: plait.torch.init() always starts on all ranks; "
-                          "make sub-groups with process_sets= or plait.world().split(color, key)")
+        if comm is not None and not _every_process(comm):
+            raise invalid("comm", comm, f"None, or every process (plait.{self.framework}.init() "
+                          "always starts on all ranks); make sub-groups with process_sets= or "
+                          "plait.world().split(color, key)")
         note_dynamic_env()
         runtime.init(backend, framework=self.framework, **kwargs)
         init_process_sets(process_sets)

@@ -39,6 +39,11 @@ class ProcessSet:
     """
 
     def __init__(self, ranks: Sequence[int]) -> None:
+        self.ranks: list[int] = []
+        self.process_set_id: int | None = None
+        #: Horovod's attribute for a set built from an MPI communicator: always None here.
+        self.mpi_comm: Any = None
+        self._comm: Communicator | None = None
         if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
             raise PlaitTypeError(
                 f"invalid ProcessSet({ranks!r}): expected a list of global ranks (plait does not "
@@ -46,11 +51,7 @@ class ProcessSet:
         values = list(ranks)
         if any(isinstance(r, bool) or not isinstance(r, int) for r in values):
             raise ConfigError(f"invalid ProcessSet({values!r}): expected a list of int ranks")
-        self.ranks: list[int] = sorted(values)
-        self.process_set_id: int | None = None
-        #: Horovod's attribute for a set built from an MPI communicator: always None here.
-        self.mpi_comm: Any = None
-        self._comm: Communicator | None = None
+        self.ranks = sorted(values)
 
     def size(self) -> int | None:
         """Number of ranks in the set, or None before it is registered."""

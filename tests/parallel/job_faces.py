@@ -120,7 +120,12 @@ def test_faces_reject_bad_arguments():
     with pytest.raises(plait.ConfigError, match="mode='turbo'"):
         plait.DataParallel(mode="turbo")
     with pytest.raises(plait.ConfigError, match="comm="):
-        hvd.init(comm=[0, 1])
+        hvd.init(comm=[0])  # a sub-group: process_sets= makes those
+    hvd.init(comm=list(range(hvd.size())))  # every process, as Horovod takes it: already started
+    if "OMPI_COMM_WORLD_SIZE" in os.environ:
+        from mpi4py import MPI
+
+        hvd.init(comm=MPI.COMM_WORLD)
 
 
 def test_shards_are_disjoint_cover_the_data_and_shuffle_alike():
