@@ -344,7 +344,7 @@ class Face:
                           "plait.world().split(color, key)")
         note_dynamic_env()
         runtime.init(backend, framework=self.framework, **kwargs)
-        init_process_sets(process_sets)
+        init_process_sets(process_sets, comm)
 
     @staticmethod
     def comm(process_set: Any = None) -> Communicator:

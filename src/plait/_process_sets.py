@@ -2,9 +2,10 @@
 ``hvd.add_process_set``, ``hvd.remove_process_set``, ``hvd.global_process_set`` and
 ``hvd.init(process_sets=...)``, built on :meth:`Communicator.split`.
 
-As in Horovod, a process set is named by global ranks (sorted), adding one is a
-collective call of every rank (in the same order everywhere), and only its
-members may run collectives on it. Framework-free.
+As in Horovod, a process set is named by global ranks (sorted) or by an mpi4py
+communicator (each rank's own: ``ProcessSet(MPI.COMM_WORLD.Split(...))`` makes one set
+per colour), adding one is a collective call of every rank (in the same order
+everywhere), and only its members may run collectives on it. Framework-free.
 """
 
 from __future__ import annotations
@@ -17,9 +18,9 @@ from . import runtime
 from .errors import ConfigError, PlaitTypeError
 from .protocols import Communicator
 
-__all__ = ["ProcessSet", "add_process_set", "communicator", "global_process_set",
-           "ids_and_ranks", "included", "init_process_sets", "note_dynamic_env", "outside",
-           "remove_process_set", "set_size"]
+__all__ = ["ProcessSet", "add_process_set", "comm_process_set_id", "communicator",
+           "global_process_set", "ids_and_ranks", "included", "init_process_sets",
+           "note_dynamic_env", "outside", "remove_process_set", "set_size"]
 
 
 class ProcessSet:
@@ -30,25 +31,29 @@ class ProcessSet:
     the faces' collectives and optimizers.
 
     Args:
-        ranks: global ranks of the members (any order; kept sorted).
+        ranks_or_comm: global ranks of the members (any order; kept sorted), or an
+            mpi4py communicator (its ranks are known once ``hvd.init`` registers it).
 
     Raises:
-        PlaitTypeError: for anything but a sequence (plait does not take an mpi4py
-            communicator here; use the ranks).
+        PlaitTypeError: for anything but a sequence of ranks or an mpi4py communicator.
         ConfigError: (a ``ValueError``, as Horovod raises) for ranks that are not ints.
     """
 
-    def __init__(self, ranks: Sequence[int]) -> None:
-        self.ranks: list[int] = []
+    def __init__(self, ranks_or_comm: Sequence[int] | Any) -> None:
+        #: The sorted global ranks; None for a set built from a communicator before ``init``.
+        self.ranks: list[int] | None = None
         self.process_set_id: int | None = None
-        #: Horovod's attribute for a set built from an MPI communicator: always None here.
+        #: The mpi4py communicator the set was built from (Horovod's attribute), else None.
         self.mpi_comm: Any = None
         self._comm: Communicator | None = None
-        if isinstance(ranks, (str, bytes)) or not hasattr(ranks, "__iter__"):
+        if _is_mpi_comm(ranks_or_comm):
+            self.mpi_comm = ranks_or_comm
+            return
+        if isinstance(ranks_or_comm, (str, bytes)) or not hasattr(ranks_or_comm, "__iter__"):
             raise PlaitTypeError(
-                f"invalid ProcessSet({ranks!r}): expected a list of global ranks (plait does not "
-                "build process sets from an MPI communicator)")
-        values = list(ranks)
+                f"invalid ProcessSet({ranks_or_comm!r}): expected a list of global ranks or an "
+                "mpi4py communicator")
+        values = list(ranks_or_comm)
         if any(isinstance(r, bool) or not isinstance(r, int) for r in values):
             raise ConfigError(f"invalid ProcessSet({values!r}): expected a list of int ranks")
         self.ranks = sorted(values)
@@ -57,7 +62,7 @@ class ProcessSet:
         """Number of ranks in the set, or None before it is registered."""
         if self.process_set_id is None:
             return None
-        return len(self.ranks) if self.process_set_id else runtime.world().size
+        return len(self.ranks or ()) if self.process_set_id else runtime.world().size
 
     def rank(self) -> int | None:
         """This process's rank within the set, or None before it is registered.
@@ -69,11 +74,11 @@ class ProcessSet:
             return None
         if self.process_set_id == 0:
             return runtime.world().rank
-        me = runtime.world().rank
-        if me not in self.ranks:
+        me, ranks = runtime.world().rank, self.ranks or []
+        if me not in ranks:
             raise ConfigError(f"Process is not part of provided process set: rank {me} is not in "
                               f"{self}")
-        return self.ranks.index(me)
+        return ranks.index(me)
 
     def included(self) -> bool | None:
         """Whether this process is a member (None for the global set before ``init``)."""
@@ -83,6 +88,9 @@ class ProcessSet:
             return None
         return runtime.world().rank in self.ranks
 
+    def _invalidate(self) -> None:
+        self.process_set_id, self._comm = None, None
+
     def __str__(self) -> str:
         return (f"ProcessSet(process_set_id={self.process_set_id}, ranks={self.ranks}, "
                 f"mpi_comm={self.mpi_comm})")
@@ -90,11 +98,45 @@ class ProcessSet:
     __repr__ = __str__
 
 
+def _is_mpi_comm(value: Any) -> bool:
+    """Whether ``value`` is an mpi4py communicator (without importing mpi4py otherwise)."""
+    if not type(value).__module__.startswith("mpi4py"):
+        return False
+    from mpi4py import MPI
+
+    return isinstance(value, MPI.Comm)
+
+
+def _world_ranks(comm: Any, world: Communicator) -> list[int]:
+    """The sorted global ranks of the mpi4py communicator ``comm``'s members.
+
+    Raises:
+        NotImplementedError: when plait's world is not MPI's ``COMM_WORLD`` (a job not
+            started by ``mpirun``).
+    """
+    from mpi4py import MPI
+
+    if (MPI.COMM_WORLD.Get_size(), MPI.COMM_WORLD.Get_rank()) != (world.size, world.rank):
+        raise NotImplementedError(
+            f"process sets from an MPI communicator need a job whose ranks are MPI's COMM_WORLD "
+            f"(started by mpirun); here MPI has {MPI.COMM_WORLD.Get_size()} rank(s) and plait "
+            f"{world.size}: pass the global ranks instead, ProcessSet([...])")
+    group, whole = comm.Get_group(), MPI.COMM_WORLD.Get_group()
+    try:
+        return sorted(int(r) for r in MPI.Group.Translate_ranks(
+            group, list(range(comm.Get_size())), whole))
+    finally:
+        group.Free()
+        whole.Free()
+
+
 class _Registry:
     """The process sets of this process (the world is one per process)."""
 
     def __init__(self) -> None:
         self.sets: dict[int, ProcessSet] = {}
+        #: Every object given each registered id (Horovod invalidates them all on removal).
+        self.holders: dict[int, list[ProcessSet]] = {}
         self.dynamic = False
         #: The user's HOROVOD_DYNAMIC_PROCESS_SETS, as Horovod reads it: when it starts.
         self.env_dynamic = os.environ.get("HOROVOD_DYNAMIC_PROCESS_SETS") == "1"
@@ -107,11 +149,27 @@ class _Registry:
             ps_id += 1
         return ps_id
 
+    def find(self, ranks: list[int]) -> int | None:
+        """The id of the registered set of exactly ``ranks``, if any."""
+        return next((i for i, ps in self.sets.items() if ps.ranks == ranks), None)
+
+    def hold(self, ps: ProcessSet, ps_id: int) -> None:
+        """Give ``ps`` the registered set ``ps_id``'s id, ranks and communicator."""
+        reg = self.sets[ps_id]
+        ps.process_set_id, ps._comm, ps.ranks = ps_id, reg._comm, list(reg.ranks or ())
+        held = self.holders.setdefault(ps_id, [])
+        if not any(h is ps for h in held):
+            held.append(ps)
+
+    def drop(self, ps_id: int) -> None:
+        del self.sets[ps_id]
+        for ps in self.holders.pop(ps_id, []):
+            ps._invalidate()
+
     def reset(self, world: Communicator) -> None:
         if self.world is not world:
-            for ps in self.sets.values():
-                ps.process_set_id, ps._comm = None, None
-            self.sets.clear()
+            for ps_id in list(self.sets):
+                self.drop(ps_id)
             self.world = world
 
 
@@ -122,25 +180,18 @@ global_process_set = ProcessSet([])
 global_process_set.process_set_id = 0
 
 
-def _check(ps: ProcessSet, world: Communicator, others: Sequence[ProcessSet] = ()) -> None:
-    """Raise ConfigError unless ``ps`` can be registered next to the registered sets and
-    ``others`` (local checks only, so every rank decides alike)."""
-    bad = [r for r in ps.ranks if not 0 <= r < world.size]
-    if not ps.ranks or bad or len(set(ps.ranks)) != len(ps.ranks):
-        raise ConfigError(f"invalid process set ranks={ps.ranks!r}: expected distinct global ranks "
-                          f"in [0, {world.size}), at least one")
-    if ps.ranks == list(range(world.size)) or any(
-            s.ranks == ps.ranks for s in (*_REG.sets.values(), *others)):
-        raise ConfigError(f"Attempted to add a duplicate process set: {ps}")
-    if ps.process_set_id is not None:
-        raise ConfigError(f"{ps} is already registered")
+def _check_ranks(ranks: list[int], world: Communicator, what: str) -> None:
+    """Raise ConfigError unless ``ranks`` are distinct global ranks, at least one."""
+    bad = [r for r in ranks if not 0 <= r < world.size]
+    if not ranks or bad or len(set(ranks)) != len(ranks):
+        raise ConfigError(f"invalid {what} ranks={ranks!r}: expected distinct global ranks in "
+                          f"[0, {world.size}), at least one")
 
 
-def _register(ps: ProcessSet) -> ProcessSet:
-    world = runtime.world()
-    _REG.reset(world)
-    _check(ps, world)
-    member = world.rank in ps.ranks
+def _add(ps: ProcessSet, world: Communicator) -> ProcessSet:
+    """Register ``ps`` (its ranks checked, new) under a free id: collective over the world."""
+    ranks = ps.ranks or []
+    member = world.rank in ranks
     sub = world.split(0 if member else 1, world.rank)  # collective over every rank
     # every rank leaves together, as from Horovod's registration: the new groups' first ops
     # (their topology) meet only their members, and a rank done with its own that shut
@@ -149,6 +200,7 @@ def _register(ps: ProcessSet) -> ProcessSet:
     ps._comm = sub if member else None
     ps.process_set_id = _REG.free_id()
     _REG.sets[ps.process_set_id] = ps
+    _REG.holders[ps.process_set_id] = [ps]
     return ps
 
 
@@ -170,24 +222,61 @@ def ids_and_ranks() -> dict[int, list[int]]:
     world = runtime.world()
     _REG.reset(world)
     out = {0: list(range(world.size))}
-    out.update((ps_id, list(ps.ranks)) for ps_id, ps in sorted(_REG.sets.items()))
+    out.update((ps_id, list(ps.ranks or ())) for ps_id, ps in sorted(_REG.sets.items()))
     return out
 
 
-def init_process_sets(process_sets: Any) -> None:
+def comm_process_set_id(comm: Any) -> int:
+    """The id of the registered process set whose members are those of the mpi4py
+    communicator ``comm`` (Horovod's internal ``_basics._comm_process_set_id``).
+
+    Args:
+        comm: an mpi4py communicator.
+
+    Returns:
+        0 for every rank, else the registered set's id.
+
+    Raises:
+        ConfigError: for anything but a communicator, or one no registered set matches.
+    """
+    if not _is_mpi_comm(comm):
+        raise ConfigError(f"invalid comm={comm!r}: expected an mpi4py communicator")
+    world = runtime.world()
+    _REG.reset(world)
+    ranks = _world_ranks(comm, world)
+    ps_id = 0 if ranks == list(range(world.size)) else _REG.find(ranks)
+    if ps_id is None:
+        raise ConfigError(f"invalid comm={comm!r}: its ranks {ranks} are no registered process set "
+                          f"({ids_and_ranks()})")
+    return ps_id
+
+
+def init_process_sets(process_sets: Any, comm: Any = None) -> None:
     """``hvd.init(process_sets=...)``: register each set (collective), or allow
     :func:`add_process_set` later with ``"dynamic"``.
 
+    As Horovod does, every distinct set is registered once, those built from an mpi4py
+    communicator first (each rank's own communicator: one set per distinct group of
+    ranks, in order of their lowest rank), then the entries given by ranks; a set that
+    is already registered keeps its id. An entry that names the same ranks as an earlier
+    one (or every rank) is then refused on the ranks where it does.
+
     Args:
         process_sets: None, ``"dynamic"`` or a list of :class:`ProcessSet`.
+        comm: ``hvd.init``'s ``comm``; sets built from a communicator need it to be an
+            mpi4py communicator of every process, as in Horovod.
 
     Raises:
-        ConfigError: for a duplicate or invalid set, or another kind of value (Horovod's
-            ``ValueError``); then none of the sets is registered.
+        ConfigError: for invalid ranks (then none of the sets is registered), a
+            duplicate entry, or another kind of value (Horovod's ``ValueError``).
+        NotImplementedError: for sets built from a communicator without an mpi4py
+            ``comm`` (Horovod's error), or in a job not started by ``mpirun``.
     """
     world = runtime.world()
     _REG.reset(world)
     global_process_set.ranks = list(range(world.size))
+    if _is_mpi_comm(comm):
+        global_process_set.mpi_comm = comm
     if process_sets is None:
         return
     if isinstance(process_sets, str):
@@ -200,9 +289,45 @@ def init_process_sets(process_sets: Any) -> None:
     for i, ps in enumerate(process_sets):
         if not isinstance(ps, ProcessSet):
             raise ConfigError(f"invalid process_sets[{i}]={ps!r}: expected a ProcessSet")
-        _check(ps, world, process_sets[:i])
-    for ps in process_sets:
-        _register(ps)
+        if ps.ranks is not None:
+            _check_ranks(ps.ranks, world, f"process_sets[{i}]")
+    by_comm = [ps for ps in process_sets if ps.ranks is None]
+    mine: list[list[int]] = []
+    groups: list[list[int]] = []
+    if by_comm:
+        if not _is_mpi_comm(comm):
+            raise NotImplementedError(
+                "process sets defined via MPI communicators are only supported when calling "
+                "hvd.init() with comm set to a global MPI communicator (as in Horovod)")
+        mine = [_world_ranks(ps.mpi_comm, world) for ps in by_comm]
+        everyone = world.allgather_object(mine)
+        counts = [len(theirs) for theirs in everyone]
+        if len(set(counts)) > 1:
+            raise ConfigError(f"invalid process_sets: the ranks give different numbers of sets "
+                              f"built from an MPI communicator ({counts}, by rank)")
+        groups = [theirs[i] for i in range(len(mine)) for theirs in everyone]
+    groups += [ps.ranks for ps in process_sets if ps.ranks is not None]
+    whole = list(range(world.size))
+    for ranks in groups:
+        if ranks != whole and _REG.find(ranks) is None:
+            _add(ProcessSet(ranks), world)
+    seen, dups = {0}, []
+    for i, ps in enumerate(process_sets):
+        ranks = ps.ranks if ps.ranks is not None else mine[next(
+            j for j, other in enumerate(by_comm) if other is ps)]
+        ps_id = 0 if ranks == whole else _REG.find(ranks)
+        assert ps_id is not None
+        if ps_id in seen:
+            ps.ranks = ranks
+            ps._invalidate()
+            dups.append(f"process_sets[{i}]={ps}")
+            continue
+        seen.add(ps_id)
+        _REG.hold(ps, ps_id)
+    if dups:
+        raise ConfigError(f"Attempted to add a duplicate process set: {', '.join(dups)} names the "
+                          "ranks of an earlier entry or of every rank (the distinct sets are "
+                          "registered)")
 
 
 def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
@@ -218,16 +343,27 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         ConfigError: unless ``init(process_sets="dynamic")`` was called (or
             ``HOROVOD_DYNAMIC_PROCESS_SETS=1`` is set), as in Horovod; for a duplicate
             or invalid set.
+        NotImplementedError: for a set built from an MPI communicator (as in Horovod).
     """
     if not (_REG.dynamic or _REG.env_dynamic):
         raise ConfigError("add_process_set needs dynamic process sets: call "
                           "hvd.init(process_sets='dynamic') or set HOROVOD_DYNAMIC_PROCESS_SETS=1")
     ps = process_set if isinstance(process_set, ProcessSet) else ProcessSet(process_set)
-    return _register(ps)
+    if ps.ranks is None:
+        raise NotImplementedError("adding a process set built from an MPI communicator after "
+                                  "init is not implemented (as in Horovod): give its ranks")
+    world = runtime.world()
+    _REG.reset(world)
+    _check_ranks(ps.ranks, world, "process set")
+    if ps.ranks == list(range(world.size)) or _REG.find(ps.ranks) is not None:
+        raise ConfigError(f"Attempted to add a duplicate process set: {ps}")
+    if ps.process_set_id is not None:
+        raise ConfigError(f"{ps} is already registered")
+    return _add(ps, world)
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
-    """Forget a process set added before.
+    """Forget a process set added before (and every object that holds its id).
 
     Args:
         process_set: the set.
@@ -236,10 +372,9 @@ def remove_process_set(process_set: ProcessSet) -> bool:
         Whether it was removed (False for the global set or one never registered).
     """
     ps_id = process_set.process_set_id
-    if not ps_id or _REG.sets.get(ps_id) is not process_set:
+    if not ps_id or not any(h is process_set for h in _REG.holders.get(ps_id, [])):
         return False
-    del _REG.sets[ps_id]
-    process_set.process_set_id, process_set._comm = None, None
+    _REG.drop(ps_id)
     return True
 
 
@@ -319,4 +454,4 @@ def set_size(process_set_id: int) -> int:
     """
     if process_set_id == 0:
         return runtime.world().size
-    return len(_lookup(process_set_id).ranks)
+    return len(_lookup(process_set_id).ranks or ())

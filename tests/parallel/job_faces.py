@@ -613,9 +613,14 @@ def test_process_sets():
     assert even.process_set_id is None and even.size() is None
     with pytest.raises(ValueError, match="not registered"):
         hvd.allreduce(x, process_set=mine)
-    with pytest.raises(ValueError, match="duplicate"):  # as Horovod: then none is registered
-        hvd.init(process_sets=[hvd.ProcessSet([0]), hvd.ProcessSet([0])])
-    assert htf.mpi_ops._basics._get_process_set_ids_and_ranks() == {0: list(range(n))}
+    with pytest.raises(ValueError, match="invalid"):  # as Horovod: then none is registered
+        hvd.init(process_sets=[hvd.ProcessSet([0]), hvd.ProcessSet([n])])
+    twice = [hvd.ProcessSet([0]), hvd.ProcessSet([0])]
+    with pytest.raises(ValueError, match="duplicate"):  # as Horovod: registered once
+        hvd.init(process_sets=twice)
+    assert htf.mpi_ops._basics._get_process_set_ids_and_ranks() == {0: list(range(n)), 1: [0]}
+    assert twice[0].process_set_id == 1 and twice[1].process_set_id is None
+    assert hvd.remove_process_set(twice[0])
     assert hvd.mpi_ops._basics._get_process_set_ids_and_ranks() == {0: list(range(n))}
     singles = [hvd.ProcessSet([q]) for q in range(n)]
     hvd.init(process_sets=singles)
@@ -624,6 +629,57 @@ def test_process_sets():
     # every rank runs the same ops (real Horovod's unnamed ops, later, count them)
     assert torch.equal(hvd.allreduce(x, op=hvd.Sum, process_set=singles[r]), x)
     assert all(hvd.remove_process_set(s) for s in singles)
+    hvd.barrier()
+
+
+def test_process_sets_from_mpi_communicators():
+    """Horovod's test_process_sets_multi_comm.py: each rank's own mpi4py communicator names
+    a set (a Split makes one per colour), every distinct set is registered once, and an
+    entry that repeats one is refused on the ranks where it does."""
+    from mpi4py import MPI
+
+    r, n = hvd.rank(), hvd.size()
+    world = MPI.COMM_WORLD
+    sub = world.Split(color=r % 2, key=r)
+    world_clone, sub_clone = world.Dup(), sub.Dup()
+    evens = hvd.ProcessSet(range(0, n, 2))  # a clone of sub on the even ranks
+    assert str(hvd.ProcessSet(sub)).startswith("ProcessSet(process_set_id=None, ranks=None, mpi_")
+    with pytest.raises(NotImplementedError, match="global MPI communicator"):
+        hvd.init(process_sets=[hvd.ProcessSet(sub)])
+    with pytest.raises(ValueError, match="duplicate"):
+        hvd.init(comm=world, process_sets=[hvd.ProcessSet(sub), hvd.ProcessSet(world_clone),
+                                           hvd.ProcessSet(sub_clone), evens, hvd.ProcessSet([0])])
+    mine = [hvd.ProcessSet(sub), evens, hvd.ProcessSet([0])]
+    if n == 2 or r % 2 == 0:
+        with pytest.raises(ValueError, match=r"duplicate process set: process_sets\[[12]\]"):
+            hvd.init(comm=world, process_sets=mine)
+    else:
+        hvd.init(comm=world, process_sets=mine)
+    mine = [hvd.ProcessSet(sub)] + ([hvd.ProcessSet([0])] if n > 2 else [])
+    hvd.init(comm=world, process_sets=mine)
+    assert hvd.global_process_set.mpi_comm == world
+    expected = {0: list(range(n)), 1: list(range(0, n, 2)), 2: list(range(1, n, 2))}
+    if n > 2:
+        expected[3] = [0]
+    assert hvd.mpi_ops._basics._get_process_set_ids_and_ranks() == expected
+    assert mine[0].process_set_id == 1 + r % 2 and mine[0].ranks == expected[1 + r % 2]
+    assert hvd.mpi_ops._basics._comm_process_set_id(sub_clone) == 1 + r % 2
+    assert htf.mpi_ops._basics._comm_process_set_id(world_clone) == 0
+    x = torch.full((2,), float(r))
+    assert torch.equal(hvd.allreduce(x, op=hvd.Sum, process_set=mine[0]),
+                       torch.full((2,), float(sum(mine[0].ranks))))
+    with pytest.raises(NotImplementedError, match="MPI communicator"):
+        hvd.add_process_set(hvd.ProcessSet(sub))
+    # init again maps sets already registered to their ids: one object for each, to remove
+    held = [hvd.ProcessSet(ranks) for ps_id, ranks in sorted(expected.items()) if ps_id]
+    hvd.init(process_sets=held)
+    assert [ps.process_set_id for ps in held] == sorted(expected)[1:]
+    assert all(hvd.remove_process_set(ps) for ps in held)
+    assert mine[0].process_set_id is None  # every object of a removed set, as in Horovod
+    assert hvd.mpi_ops._basics._get_process_set_ids_and_ranks() == {0: list(range(n))}
+    hvd.global_process_set.mpi_comm = None
+    for c in (sub, world_clone, sub_clone):
+        c.Free()
     hvd.barrier()
 
 

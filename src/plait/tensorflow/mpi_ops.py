@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from plait._process_sets import ids_and_ranks
+from plait._process_sets import comm_process_set_id, ids_and_ranks
 from plait.tensorflow import (
     ProcessSet,
     add_process_set,
@@ -55,5 +55,6 @@ __all__ = [
     "start_timeline", "stop_timeline",
 ]
 
-#: The internal that Horovod's own tests call: ``hvd.mpi_ops._basics._get_process_set_ids_and_ranks()``.
-_basics = SimpleNamespace(_get_process_set_ids_and_ranks=ids_and_ranks)
+#: The internals that Horovod's own tests call: ``hvd.mpi_ops._basics._get_process_set_ids_and_ranks()``, ...
+_basics = SimpleNamespace(_get_process_set_ids_and_ranks=ids_and_ranks,
+                          _comm_process_set_id=comm_process_set_id)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from plait._face import Face, num_rank_is_power_2
-from plait._process_sets import ids_and_ranks
+from plait._process_sets import comm_process_set_id, ids_and_ranks
 from plait.torch import (
     Adasum,
     Average,
@@ -90,5 +90,6 @@ __all__ = [
 #: Horovod's ``gpu_available(ext_base_name)``: whether the backend has GPU kernels.
 gpu_available = Face("torch").gpu_available
 
-#: The internal that Horovod's own tests call: ``hvd.mpi_ops._basics._get_process_set_ids_and_ranks()``.
-_basics = SimpleNamespace(_get_process_set_ids_and_ranks=ids_and_ranks)
+#: The internals that Horovod's own tests call: ``hvd.mpi_ops._basics._get_process_set_ids_and_ranks()``, ...
+_basics = SimpleNamespace(_get_process_set_ids_and_ranks=ids_and_ranks,
+                          _comm_process_set_id=comm_process_set_id)
