@@ -8,6 +8,7 @@ and works eagerly and inside ``tf.function`` on both backends.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -59,7 +60,9 @@ def reduce_gradients(grads: Sequence[Any], variables: Sequence[Any], comm: Commu
     Returns:
         The reduced gradients, in the order of ``variables``.
     """
-    if comm.size == 1:
+    if comm.size == 1 and (tf.executing_eagerly() or os.environ.get("HOROVOD_ELASTIC") != "1"):
+        # (a graph traced by the one worker of a Horovod elastic job reduces, as Horovod's
+        # does: it goes on running once workers joined, whose graphs reduce)
         return list(grads)
     f = float(gradient_predivide_factor)
     sparse: dict[int, Any] = {}

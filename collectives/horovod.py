@@ -338,28 +338,40 @@ class HorovodCommunicator(CommunicatorBase):
 
     def _graph_name(self, name: str) -> str:
         """The name of an op built into a TensorFlow graph in a Horovod elastic job, in place
-        of ``name`` (made by :meth:`_name`): numbered within the graph, not in this
+        of ``name`` (made by :meth:`_name`): numbered within the traced function, not in this
         communicator's sequence, which it leaves as it was.
 
         A worker that joined traces the user's ``tf.function`` alone, while the others run
         the graph they traced before; its ops must get the names theirs got, and the ops
         it runs eagerly afterwards too. So graph ops are numbered per traced function, in
-        the order the trace builds them (nested graphs, such as a loop's body, which
-        TensorFlow names with a process-wide counter, count in the outermost function's
-        graph), and, as the other workers do not trace with it, are not checked when
-        built: a mismatch meets in Horovod's coordinator (its error), or times out in the
-        graph's watchdog.
+        the order the trace builds them, and named after the functions that enclose them
+        (a loop's or a branch's body, which TensorFlow names with a process-wide counter,
+        counts in its function). A function traced again starts its count again: a worker
+        that joined traces a nested function once more where its first trace creates
+        variables (Keras' ``one_step_on_data`` when the optimizer's were not built yet),
+        the others did not. As the other workers do not trace with it, the ops are not
+        checked when built: a mismatch meets in Horovod's coordinator (its error), or
+        times out in the graph's watchdog.
         """
         import tensorflow as tf
+        from tensorflow.python.ops.control_flow_v2_func_graphs import ControlFlowFuncGraph
 
         self._seq -= 1
         graph = tf.compat.v1.get_default_graph()
-        outer = getattr(graph, "outer_graph", None)
-        while outer is not None and hasattr(outer, "outer_graph"):  # a FuncGraph inside one
-            graph, outer = outer, outer.outer_graph
-        count = self._w.graph_ops.get(graph, 0) + 1
-        self._w.graph_ops[graph] = count
-        base = re.sub(r"[^A-Za-z0-9_]", "_", str(getattr(graph, "name", "graph")))
+        functions = []  # the graphs of the enclosing functions, innermost first
+        while True:
+            if not isinstance(graph, ControlFlowFuncGraph):
+                functions.append(graph)
+            outer = getattr(graph, "outer_graph", None)
+            if outer is None or not hasattr(outer, "outer_graph"):  # graph is the outermost
+                break
+            graph = outer
+        if not functions:  # a branch built into a TF1 graph
+            functions.append(graph.outer_graph)
+        count = self._w.graph_ops.get(functions[0], 0) + 1
+        self._w.graph_ops[functions[0]] = count
+        base = ".".join(re.sub(r"[^A-Za-z0-9_]", "_", str(getattr(g, "name", "graph")))
+                        for g in reversed(functions))
         return f"plait.{self._cid}.{base}.{count}.{name.split('.', 3)[3]}"
 
     def _check_name(self) -> str:

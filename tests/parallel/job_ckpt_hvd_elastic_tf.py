@@ -65,8 +65,10 @@ def main() -> None:
                                    f"{memory.residuals['seen'].numpy()} at step {state.step}")
             if not state.sizes or state.sizes[-1] != size:
                 state.sizes = [*state.sizes, size]
-            perm = np.random.RandomState(state.step).permutation(len(y_all))[:96]
-            mine = np.array_split(perm, size)[rank]
+            # 32 rows a rank whatever the size, as Horovod's example: the step is not traced
+            # again after a reset (a worker that traced it alone keeps its graph)
+            perm = np.random.RandomState(state.step).permutation(len(y_all))[:32 * size]
+            mine = perm[rank::size]
             training_step(x_all[mine], y_all[mine])
             memory.residuals["seen"] = memory.residuals["seen"] + 1
             state.step += 1
