@@ -188,8 +188,9 @@ def _check_ranks(ranks: list[int], world: Communicator, what: str) -> None:
                           f"[0, {world.size}), at least one")
 
 
-def _add(ps: ProcessSet, world: Communicator) -> ProcessSet:
-    """Register ``ps`` (its ranks checked, new) under a free id: collective over the world."""
+def _add(ps: ProcessSet, world: Communicator) -> int:
+    """Register ``ps`` (its ranks checked, new) under a free id, returned: collective over
+    the world."""
     ranks = ps.ranks or []
     member = world.rank in ranks
     sub = world.split(0 if member else 1, world.rank)  # collective over every rank
@@ -197,11 +198,11 @@ def _add(ps: ProcessSet, world: Communicator) -> ProcessSet:
     # (their topology) meet only their members, and a rank done with its own that shut
     # Horovod down at once failed another group's still pending (Horovod backend)
     world.barrier()
-    ps._comm = sub if member else None
-    ps.process_set_id = _REG.free_id()
-    _REG.sets[ps.process_set_id] = ps
-    _REG.holders[ps.process_set_id] = [ps]
-    return ps
+    ps_id = _REG.free_id()
+    ps._comm, ps.process_set_id = (sub if member else None), ps_id
+    _REG.sets[ps_id] = ps
+    _REG.holders[ps_id] = [ps]
+    return ps_id
 
 
 def note_dynamic_env() -> None:
@@ -308,15 +309,16 @@ def init_process_sets(process_sets: Any, comm: Any = None) -> None:
         groups = [theirs[i] for i in range(len(mine)) for theirs in everyone]
     groups += [ps.ranks for ps in process_sets if ps.ranks is not None]
     whole = list(range(world.size))
+    ids = {tuple(whole): 0}
     for ranks in groups:
-        if ranks != whole and _REG.find(ranks) is None:
-            _add(ProcessSet(ranks), world)
+        if tuple(ranks) not in ids:
+            found = _REG.find(ranks)
+            ids[tuple(ranks)] = found if found is not None else _add(ProcessSet(ranks), world)
     seen, dups = {0}, []
     for i, ps in enumerate(process_sets):
         ranks = ps.ranks if ps.ranks is not None else mine[next(
             j for j, other in enumerate(by_comm) if other is ps)]
-        ps_id = 0 if ranks == whole else _REG.find(ranks)
-        assert ps_id is not None
+        ps_id = ids[tuple(ranks)]
         if ps_id in seen:
             ps.ranks = ranks
             ps._invalidate()
@@ -359,7 +361,8 @@ def add_process_set(process_set: ProcessSet | Sequence[int]) -> ProcessSet:
         raise ConfigError(f"Attempted to add a duplicate process set: {ps}")
     if ps.process_set_id is not None:
         raise ConfigError(f"{ps} is already registered")
-    return _add(ps, world)
+    _add(ps, world)
+    return ps
 
 
 def remove_process_set(process_set: ProcessSet) -> bool:
