@@ -17,7 +17,7 @@ from plait.collectives.base import MappedHandle
 
 from . import runtime
 from ._face_compression import to_plait
-from ._process_sets import communicator, init_process_sets, note_dynamic_env
+from ._process_sets import _is_mpi_comm, communicator, init_process_sets, note_dynamic_env
 from .errors import ConfigError, invalid
 from .protocols import Communicator, Handle
 
@@ -204,7 +204,7 @@ def _every_process(comm: Any) -> bool:
     """Whether Horovod's ``init(comm=...)`` names every process of the job: an mpi4py
     communicator as large as ``COMM_WORLD``, or the list of all ranks (the job's size from
     the launcher's environment)."""
-    if type(comm).__module__.startswith("mpi4py"):
+    if _is_mpi_comm(comm):
         from mpi4py import MPI
 
         return bool(comm.Get_size() == MPI.COMM_WORLD.Get_size())

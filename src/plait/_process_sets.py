@@ -316,8 +316,7 @@ def init_process_sets(process_sets: Any, comm: Any = None) -> None:
             ids[tuple(ranks)] = found if found is not None else _add(ProcessSet(ranks), world)
     seen, dups = {0}, []
     for i, ps in enumerate(process_sets):
-        ranks = ps.ranks if ps.ranks is not None else mine[next(
-            j for j, other in enumerate(by_comm) if other is ps)]
+        ranks = ps.ranks if ps.ranks is not None else mine[by_comm.index(ps)]
         ps_id = ids[tuple(ranks)]
         if ps_id in seen:
             ps.ranks = ranks
