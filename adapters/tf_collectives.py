@@ -8,6 +8,7 @@ N, and eagerly one agreement round instead of N.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,7 +20,29 @@ from plait.protocols import Communicator
 from .tensorflow import OPS, unwrap
 
 __all__ = ["allgather_backward", "alltoall", "check_sparse", "differentiable",
-           "differentiable_group", "fused_allreduce", "is_sparse", "sparse_allreduce", "to_dense"]
+           "differentiable_group", "fused_allreduce", "group_size", "is_sparse", "sparse_allreduce",
+           "to_dense"]
+
+
+def group_size(comm: Communicator, dtype: Any = tf.int32) -> Any:
+    """``comm.size`` as a divisor: an int, or, in a graph being traced by a worker of a
+    Horovod elastic job, an op that reads the size each time the graph runs.
+
+    Such a graph keeps running after workers joined or left (Horovod's elastic loop does
+    not trace it again), so a size read at trace time would be stale; Horovod reads it
+    with its ``size_op`` there too (``HOROVOD_ELASTIC``).
+
+    Args:
+        comm: the communicator.
+        dtype: the op's dtype (it divides tensors of this dtype).
+
+    Returns:
+        An int, or a 0-d tensor of ``dtype``.
+    """
+    live = getattr(comm, "live_size", None)
+    if live is None or os.environ.get("HOROVOD_ELASTIC") != "1" or tf.executing_eagerly():
+        return comm.size
+    return tf.cast(live(), dtype)
 
 
 def fused_allreduce(comm: Communicator, tensors: Sequence[Any], op: str,
@@ -186,7 +209,7 @@ def sparse_allreduce(comm: Communicator, tensor: tf.IndexedSlices, op: str,
     values = comm.allgather(tensor.values, None if name is None else f"{name}.values")
     indices = comm.allgather(tensor.indices, None if name is None else f"{name}.indices")
     if op == "average":
-        values = values / tf.cast(comm.size, values.dtype)
+        values = values / tf.cast(group_size(comm, values.dtype), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
 
 

@@ -19,7 +19,7 @@ from plait.parallel.data import DEFAULT_BUCKET_MB, GradientReducer, GradSpec
 from plait.protocols import Communicator
 
 from .tensorflow import OPS, unwrap
-from .tf_collectives import sparse_allreduce
+from .tf_collectives import group_size, sparse_allreduce
 
 __all__ = [
     "DistributedGradientTape", "broadcast_variables", "distributed_keras_optimizer",
@@ -193,9 +193,8 @@ class DistributedGradientTape:
         out = list(grads)
         for i, g in zip(shared, reduced):
             out[i] = g
-        size = self._comm.size if self._scale_local else 1
         for i in set(range(len(out))).difference(shared):  # local sources only
-            out[i] = _scaled_local(grads[i], size)
+            out[i] = _scaled_local(grads[i], self._comm) if self._scale_local else grads[i]
         return tf.nest.pack_sequence_as(sources, out)
 
     def get_local_and_global_gradients(self, target: Any, sources: Any,
@@ -255,9 +254,14 @@ def _key(source: Any) -> Any:
     return value.ref() if hasattr(value, "ref") else id(value)
 
 
-def _scaled_local(grad: Any, size: int) -> Any:
-    """A local gradient divided by ``size`` (None and ``size`` 1: unchanged)."""
-    if grad is None or size == 1:
+def _scaled_local(grad: Any, comm: Communicator | int) -> Any:
+    """A local gradient divided by the size of ``comm`` (or by an int; None and a size
+    of 1: unchanged). In a Horovod elastic job's graph the size is read when the graph
+    runs (:func:`~plait.adapters.tf_collectives.group_size`)."""
+    if grad is None:
+        return grad
+    size = comm if isinstance(comm, int) else group_size(comm, grad.dtype)
+    if isinstance(size, int) and size == 1:
         return grad
     if isinstance(grad, tf.IndexedSlices):
         return tf.IndexedSlices(grad.values / size, grad.indices, grad.dense_shape)
@@ -362,7 +366,7 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op
             for i, g in zip(shared, reduced):
                 out[i] = g
         if scale_local_gradients:
-            out = [g if _key(v) not in local else _scaled_local(g, comm.size)
+            out = [g if _key(v) not in local else _scaled_local(g, comm)
                    for g, v in zip(out, variables)]
         return out
 

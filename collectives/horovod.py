@@ -327,6 +327,24 @@ class HorovodCommunicator(CommunicatorBase):
         self._seq = self._checks = self._joins = 0
         self.generation += 1
 
+    def live_size(self) -> Any:
+        """This group's size as a TensorFlow op that reads it each time the graph runs
+        (Horovod's ``size_op``): a graph of a Horovod elastic job keeps running after
+        workers joined or left.
+
+        Returns:
+            A 0-d int32 tensor.
+
+        Raises:
+            NotImplementedError: on a torch communicator.
+        """
+        if self.framework != "tensorflow":
+            raise NotImplementedError("live_size() is a TensorFlow op; this communicator "
+                                      f"runs horovod.{self.framework}")
+        from horovod.tensorflow.mpi_ops import size_op
+
+        return size_op(process_set_id=self._set.process_set_id)
+
     def _name(self, kind: str, name: str | None = None) -> str:
         """A name for the next Horovod op, equal on every rank of this communicator.
 

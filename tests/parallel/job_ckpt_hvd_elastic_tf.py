@@ -5,9 +5,11 @@ Horovod's ``tensorflow2_mnist_elastic.py`` pattern with ``import plait.tensorflo
 a ``tf.function`` step with ``hvd.DistributedGradientTape`` (traced once, before the first
 membership change, and kept across resets), one local step that builds the optimizer,
 ``hvd.elastic.TensorFlowKerasState`` carrying a plait state object, ``hvd.elastic.run`` and
-a reset callback (the one that kills). The membership changes are those of ``job_ckpt_hvd_elastic.py`` (same
-environment: HVD_HOSTS, HVD_ADD, HVD_REMOVE, HVD_GROWN, HVD_KILL, HVD_KILL_RESET,
-HVD_STEPS, HVD_SLEEP); it prints the same ``HVD done`` line.
+a reset callback (the one that kills). The step also returns ``hvd.size_op()`` and a
+worker-local source's gradient, which must follow the size after each change. The
+membership changes are those of ``job_ckpt_hvd_elastic.py`` (same environment: HVD_HOSTS,
+HVD_ADD, HVD_REMOVE, HVD_GROWN, HVD_KILL, HVD_KILL_RESET, HVD_STEPS, HVD_SLEEP); it prints
+the same ``HVD done`` line.
 """
 
 from __future__ import annotations
@@ -38,15 +40,20 @@ def main() -> None:
     loss = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     opt = keras.optimizers.SGD(learning_rate=0.05, momentum=0.9)
 
+    own = tf.Variable(1.0)  # a worker-local source: its gradient is 1, scaled by the size
+
     @tf.function
     def training_step(x: Any, y: Any, allreduce: bool = True) -> Any:
         with tf.GradientTape() as tape:
             value = loss(y, model(x, training=True))
+            local = own * 1.0
         if allreduce:
             tape = hvd.DistributedGradientTape(tape)
-        grads = tape.gradient(value, model.trainable_variables)
-        opt.apply_gradients(zip(grads, model.trainable_variables))
-        return value
+            tape.register_local_source(own)
+        grads = tape.gradient([value, local], [*model.trainable_variables, own])
+        opt.apply_gradients(zip(grads[:-1], model.trainable_variables))
+        # read when the graph runs, as Horovod's (its size_op under HOROVOD_ELASTIC)
+        return value, hvd.size_op(), grads[-1]
 
     training_step(x_all[:8], y_all[:8], allreduce=False)  # builds the optimizer's variables
     memory = Residual()
@@ -69,7 +76,10 @@ def main() -> None:
             # again after a reset (a worker that traced it alone keeps its graph)
             perm = np.random.RandomState(state.step).permutation(len(y_all))[:32 * size]
             mine = perm[rank::size]
-            training_step(x_all[mine], y_all[mine])
+            _, seen_size, own_grad = training_step(x_all[mine], y_all[mine])
+            if int(seen_size) != size or abs(float(own_grad) - 1.0 / size) > 1e-6:
+                raise RuntimeError(f"rank {rank}: the traced step saw size {int(seen_size)} and "
+                                   f"scaled a local gradient to {float(own_grad)} at size {size}")
             memory.residuals["seen"] = memory.residuals["seen"] + 1
             state.step += 1
             plan.end_step(state, rank, size, float(memory.residuals["seen"].numpy()[0]))

@@ -129,13 +129,18 @@ def size_op(process_set_id: int = 0, name: str | None = None, process_set: Any =
         process_set: plait's: a ``ProcessSet`` or communicator instead of the id.
 
     Returns:
-        A 0-d int32 tensor.
+        A 0-d int32 tensor; in a graph traced by a worker of a Horovod elastic job, an op
+        that reads the size each time the graph runs (as Horovod's).
 
     Raises:
         ConfigError: for an id that is not registered.
     """
+    from plait.adapters.tf_collectives import group_size
+
+    if process_set is None and process_set_id == 0:
+        process_set = global_process_set
     if process_set is not None:
-        return _int32(_F.comm(process_set).size)
+        return _int32(0) + group_size(_F.comm(process_set))
     return _int32(set_size(process_set_id))
 
 
