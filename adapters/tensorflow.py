@@ -163,7 +163,12 @@ class TFOps:
         In a TF1 ``tf.Graph`` such ops also run in the order they were built (each has a
         control dependency on the previous one): a session runs independent ops in several
         threads, and host ops that block in different collectives on different ranks would
-        hold every thread. In a ``tf.function`` each such op also takes a token output by
+        hold every thread. A graph has a chain per group of inputs that a ``session.run``
+        feeds (see :func:`_chain`): a dependency on an op fed by other inputs would make a
+        ``session.run`` of this op need their feeds (Horovod's ``tensorflow_word2vec.py``
+        builds its variables' broadcast after a training op fed by placeholders, and runs
+        it alone) or run their collectives too (a broadcast built before the training op,
+        once per step). In a ``tf.function`` each such op also takes a token output by
         the previous one (a data edge): the automatic control dependencies between stateful
         ops alone did not hold, as Grappler's dependency optimizer removed one that looked
         redundant (a path through a ``tf.custom_gradient``'s ``IdentityN``) before another
@@ -174,7 +179,8 @@ class TFOps:
         position = graph_position() if bind is not None else None
         graph = tf.compat.v1.get_default_graph()
         chained = position is not None and not getattr(graph, "building_function", False)
-        previous = _LAST_OP.get(graph) if chained else None
+        chain = _chain(graph, [unwrap(i) for i in inputs]) if chained else None
+        previous = chain[1] if chain is not None else None
         token = _LAST_TOKEN.get(graph) if position is not None and not chained else None
         values = [unwrap(i) for i in inputs]
 
@@ -193,8 +199,8 @@ class TFOps:
             else:
                 out = tf.numpy_function(host, values, Tout=like.dtype, stateful=True)
         op = out.op
-        if chained:
-            _LAST_OP[graph] = op
+        if chain is not None:
+            chain[1] = op
             out = tf.cond(tf.equal(failed, 0), lambda: tf.identity(out),
                           lambda: _failed_precondition(out))
         if bind is not None and position is not None:
@@ -381,7 +387,62 @@ class TFOps:
 
 
 _POSITIONS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-_LAST_OP: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
+#: per TF1 graph, its chains of host ops: [the fed inputs they depend on, the last op]
+_LAST_OP: weakref.WeakKeyDictionary[Any, list[list[Any]]] = weakref.WeakKeyDictionary()
+#: op types whose values a ``session.run`` feeds, or takes from a stream (each run advances it)
+_FED = ("Placeholder", "PlaceholderWithDefault", "IteratorGetNext", "IteratorGetNextSync",
+        "QueueDequeueV2", "QueueDequeueManyV2", "QueueDequeueUpToV2", "QueueDequeue",
+        "QueueDequeueMany", "QueueDequeueUpTo", "ReaderReadV2", "ReaderRead")
+
+
+def _chain(graph: Any, inputs: Sequence[Any]) -> list[Any]:
+    """The chain of host ops of the TF1 ``graph`` that a host op on ``inputs`` joins: the
+    latest chain that depends on one of the fed inputs it depends on (:func:`_fed_by`; one
+    training step's ops share its placeholders or iterator), or with none, the chain of
+    ops that depend on none (a variables' broadcast); a new chain otherwise. The inputs
+    it depends on join the chain's.
+
+    Args:
+        graph: the TF1 graph being built.
+        inputs: the host op's symbolic inputs.
+
+    Returns:
+        ``[fed inputs, last op or None]``, updated in place by the caller.
+    """
+    fed = _fed_by(inputs)
+    chains = _LAST_OP.setdefault(graph, [])
+    for chain in reversed(chains):
+        if (chain[0] & fed) or (not chain[0] and not fed):
+            chain[0] = chain[0] | fed
+            return chain
+    chains.append([fed, None])
+    return chains[-1]
+
+
+def _fed_by(tensors: Sequence[Any]) -> frozenset[str]:
+    """The names of the ops of a TF1 graph that ``tensors`` depend on (through inputs or
+    control dependencies) and that a ``session.run`` feeds or reads from a stream:
+    placeholders, iterators' ``get_next``, queues' dequeues, readers (:data:`_FED`).
+
+    Args:
+        tensors: symbolic tensors of the graph being built.
+
+    Returns:
+        Their op names (empty for tensors computed from variables and constants only).
+    """
+    found: set[str] = set()
+    seen: set[str] = set()
+    stack = [t.op for t in tensors if hasattr(t, "op")]
+    while stack:
+        op = stack.pop()
+        if op.name in seen:
+            continue
+        seen.add(op.name)
+        if op.type in _FED:
+            found.add(op.name)
+        stack.extend(t.op for t in op.inputs)
+        stack.extend(op.control_inputs)
+    return frozenset(found)
 _LAST_TOKEN: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 

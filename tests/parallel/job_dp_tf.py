@@ -455,6 +455,41 @@ def test_tf_function_twenty_allreduces_and_a_cond_twenty_times(comm):
         np.testing.assert_array_equal(extra.numpy(), np.asarray(outs[0]) * 2 * (i % 2))
 
 
+def _host_ops(tensor):
+    """The names of the host ops (``tf.numpy_function``) ``tensor`` depends on."""
+    found, seen, stack = set(), set(), [tensor.op]
+    while stack:
+        op = stack.pop()
+        if op.name not in seen:
+            seen.add(op.name)
+            if op.type in ("PyFunc", "EagerPyFunc", "PyFuncStateless"):
+                found.add(op.name)
+            stack.extend([t.op for t in op.inputs] + list(op.control_inputs))
+    return found
+
+
+def test_tf1_session_runs_a_broadcast_apart_from_a_fed_allreduce(comm):
+    """Horovod's ``tensorflow_word2vec.py``: the variables' broadcast, built after a
+    training op fed by placeholders, runs alone in its own ``session.run`` (it needed the
+    placeholders' feeds: the host ops were chained in build order); a broadcast built
+    before it does not run with every step."""
+    with tf.Graph().as_default():
+        v = tf.Variable(tf.fill([4], float(comm.rank)))
+        before = comm.broadcast(v.read_value(), root=0)
+        x = tf.compat.v1.placeholder(tf.float32, [None])
+        summed = comm.allreduce(x * 2, op="sum")
+        after = comm.broadcast(v.read_value() + 1, root=0)
+        with tf.compat.v1.Session() as sess:
+            sess.run(tf.compat.v1.global_variables_initializer())
+            np.testing.assert_array_equal(sess.run(after), np.ones(4))
+            for step in range(3):
+                out = sess.run(summed, {x: np.full(step + 1, comm.rank, np.float32)})
+                np.testing.assert_array_equal(out, np.full(step + 1, comm.size * (comm.size - 1)))
+            np.testing.assert_array_equal(sess.run(before), np.zeros(4))
+        assert not _host_ops(summed) & _host_ops(before)
+        assert not _host_ops(after) & _host_ops(summed)
+
+
 @pytest.mark.parametrize("order", ["auto", "negotiate"])
 def test_tf1_session_allreduces_in_a_negotiated_order(comm, order, monkeypatch):
     """The same graph with every op negotiated by key (PLAIT_GRAPH_ORDER=negotiate)."""
