@@ -206,11 +206,35 @@ def sparse_allreduce(comm: Communicator, tensor: tf.IndexedSlices, op: str,
         NotImplementedError: for an op other than "sum" or "average" (as Horovod).
     """
     check_sparse(op)
-    values = comm.allgather(tensor.values, None if name is None else f"{name}.values")
-    indices = comm.allgather(tensor.indices, None if name is None else f"{name}.indices")
+    values, indices = _gather_rows(comm, tensor.values, tensor.indices, name)
     if op == "average":
         values = values / tf.cast(group_size(comm, values.dtype), values.dtype)
     return tf.IndexedSlices(values, indices, dense_shape=tensor.dense_shape)
+
+
+def _gather_rows(comm: Communicator, values: Any, indices: Any, name: str | None
+                 ) -> tuple[Any, Any]:
+    """Every rank's ``values`` (rows) and ``indices`` (one per row), in rank order: one
+    allgather of rows of bytes, each a row of ``values`` and its index side by side (one
+    collective instead of two: in a graph each costs a host call or two, in a TF1 session
+    ~0.1 ms each on the Horovod backend). Two allgathers where a row's size is not known
+    when the graph is built.
+
+    Returns:
+        The gathered values and indices.
+    """
+    width = values.shape[1:].num_elements()
+    numeric = values.dtype.is_floating or values.dtype.is_integer or values.dtype.is_complex
+    if width is None or indices.shape.rank != 1 or not numeric:
+        return (comm.allgather(values, None if name is None else f"{name}.values"),
+                comm.allgather(indices, None if name is None else f"{name}.indices"))
+    nv = width * values.dtype.size
+    rows = tf.concat([tf.reshape(tf.bitcast(values, tf.uint8), [-1, nv]),
+                      tf.reshape(tf.bitcast(indices, tf.uint8), [-1, indices.dtype.size])], 1)
+    out = comm.allgather(rows, None if name is None else f"{name}.rows")
+    gathered = tf.bitcast(tf.reshape(out[:, :nv], [-1, width, values.dtype.size]), values.dtype)
+    return (tf.reshape(gathered, tf.concat([[-1], tf.shape(values)[1:]], 0)),
+            tf.bitcast(out[:, nv:], indices.dtype))
 
 
 def alltoall(comm: Communicator, tensor: Any, splits: Any, name: str | None = None

@@ -619,6 +619,38 @@ def test_face_collectives_have_horovods_gradients(comm, graph):
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
+def test_indexed_slices_of_any_dtype_and_row_shape_gather_exactly(comm, graph):
+    """An ``IndexedSlices``' values and indices travel together as rows of bytes: exact for
+    each dtype and row shape, with uneven row counts (none on rank 0)."""
+    htf = _face(comm)
+    r, n = comm.rank, comm.size
+    cases = [("float64", [3], "int64"), ("float16", [], "int32"), ("bfloat16", [2, 2], "int64"),
+             ("int32", [2], "int32")]
+
+    def rows(q, rest, dtype, index_dtype):
+        width = int(np.prod(rest))
+        values = (np.arange(q * width) % 7 + q).reshape([q, *rest])
+        return tf.cast(values, dtype), tf.constant(np.arange(q) + 10 * q, index_dtype)
+
+    def reduce():
+        outs = []
+        for dtype, rest, index_dtype in cases:
+            values, indices = rows(r, rest, dtype, index_dtype)
+            s = tf.IndexedSlices(values, indices, dense_shape=tf.constant([10 * n, *rest], tf.int64))
+            out = htf.allreduce(s, op=htf.Sum)
+            outs.append((tf.cast(out.values, tf.float64), tf.cast(out.indices, tf.int64)))
+        return outs
+
+    for (dtype, rest, index_dtype), (values, indices) in zip(cases, (tf.function(reduce) if graph
+                                                                     else reduce)()):
+        want = [rows(q, rest, dtype, index_dtype) for q in range(n)]
+        np.testing.assert_array_equal(values.numpy(), np.concatenate(
+            [tf.cast(v, tf.float64).numpy() for v, _ in want]), err_msg=dtype)
+        np.testing.assert_array_equal(indices.numpy(), np.concatenate(
+            [i.numpy().astype(np.int64) for _, i in want]), err_msg=dtype)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
 def test_face_allreduce_of_indexed_slices(comm, graph):
     """Sparse gradients are allgathered (values and indices), as Horovod reduces them."""
     htf = _face(comm)
