@@ -163,12 +163,12 @@ class TFOps:
         In a TF1 ``tf.Graph`` such ops also run in the order they were built (each has a
         control dependency on the previous one): a session runs independent ops in several
         threads, and host ops that block in different collectives on different ranks would
-        hold every thread. A graph has a chain per group of inputs that a ``session.run``
-        feeds (see :func:`_chain`): a dependency on an op fed by other inputs would make a
-        ``session.run`` of this op need their feeds (Horovod's ``tensorflow_word2vec.py``
-        builds its variables' broadcast after a training op fed by placeholders, and runs
-        it alone) or run their collectives too (a broadcast built before the training op,
-        once per step). In a ``tf.function`` each such op also takes a token output by
+        hold every thread. A graph has a chain per communicator and group of inputs that a
+        ``session.run`` feeds (see :func:`_chain`): a dependency on an op fed by other
+        inputs would make a ``session.run`` of this op need their feeds (Horovod's
+        ``tensorflow_word2vec.py`` builds its variables' broadcast after a training op fed
+        by placeholders, and runs it alone) or run their collectives too (a broadcast built
+        before the training op, once per step). In a ``tf.function`` each such op also takes a token output by
         the previous one (a data edge): the automatic control dependencies between stateful
         ops alone did not hold, as Grappler's dependency optimizer removed one that looked
         redundant (a path through a ``tf.custom_gradient``'s ``IdentityN``) before another
@@ -179,8 +179,9 @@ class TFOps:
         position = graph_position() if bind is not None else None
         graph = tf.compat.v1.get_default_graph()
         chained = position is not None and not getattr(graph, "building_function", False)
-        chain = _chain(graph, [unwrap(i) for i in inputs]) if chained else None
-        previous = chain[1] if chain is not None else None
+        chain = (_chain(graph, [unwrap(i) for i in inputs], getattr(fn, "group", None))
+                 if chained else None)
+        previous = chain[2] if chain is not None else None
         token = _LAST_TOKEN.get(graph) if position is not None and not chained else None
         values = [unwrap(i) for i in inputs]
 
@@ -200,7 +201,7 @@ class TFOps:
                 out = tf.numpy_function(host, values, Tout=like.dtype, stateful=True)
         op = out.op
         if chain is not None:
-            chain[1] = op
+            chain[2] = op
             out = tf.cond(tf.equal(failed, 0), lambda: tf.identity(out),
                           lambda: _failed_precondition(out))
         if bind is not None and position is not None:
@@ -387,7 +388,7 @@ class TFOps:
 
 
 _POSITIONS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-#: per TF1 graph, its chains of host ops: [the fed inputs they depend on, the last op]
+#: per TF1 graph, its chains of host ops: [communicator, fed inputs they depend on, last op]
 _LAST_OP: weakref.WeakKeyDictionary[Any, list[list[Any]]] = weakref.WeakKeyDictionary()
 #: op types whose values a ``session.run`` feeds, or takes from a stream (each run advances it)
 _FED = ("Placeholder", "PlaceholderWithDefault", "IteratorGetNext", "IteratorGetNextSync",
@@ -395,27 +396,29 @@ _FED = ("Placeholder", "PlaceholderWithDefault", "IteratorGetNext", "IteratorGet
         "QueueDequeueMany", "QueueDequeueUpTo", "ReaderReadV2", "ReaderRead")
 
 
-def _chain(graph: Any, inputs: Sequence[Any]) -> list[Any]:
-    """The chain of host ops of the TF1 ``graph`` that a host op on ``inputs`` joins: the
-    latest chain that depends on one of the fed inputs it depends on (:func:`_fed_by`; one
-    training step's ops share its placeholders or iterator), or with none, the chain of
-    ops that depend on none (a variables' broadcast); a new chain otherwise. The inputs
-    it depends on join the chain's.
+def _chain(graph: Any, inputs: Sequence[Any], group: object) -> list[Any]:
+    """The chain of host ops of the TF1 ``graph`` that a host op on ``inputs`` joins: of
+    the chains of its communicator ``group`` (a chain across communicators would run one
+    group's collective on the ranks of another), the latest that depends on one of the fed
+    inputs it depends on (:func:`_fed_by`; one training step's ops share its placeholders
+    or iterator), or with none, the chain of ops that depend on none (a variables'
+    broadcast); a new chain otherwise. The inputs it depends on join the chain's.
 
     Args:
         graph: the TF1 graph being built.
         inputs: the host op's symbolic inputs.
+        group: its communicator.
 
     Returns:
-        ``[fed inputs, last op or None]``, updated in place by the caller.
+        ``[group, fed inputs, last op or None]``, the last op set by the caller.
     """
     fed = _fed_by(inputs)
     chains = _LAST_OP.setdefault(graph, [])
     for chain in reversed(chains):
-        if (chain[0] & fed) or (not chain[0] and not fed):
-            chain[0] = chain[0] | fed
+        if chain[0] is group and ((chain[1] & fed) or (not chain[1] and not fed)):
+            chain[1] = chain[1] | fed
             return chain
-    chains.append([fed, None])
+    chains.append([group, fed, None])
     return chains[-1]
 
 

@@ -230,11 +230,13 @@ class OrderedCall:
         fn: the host function (runs the collective on numpy arrays).
         coordinator: gives the coordinator of the communicator, on first use (None: a
             backend that orders collectives itself; the call only gets a key).
+        group: the communicator the collective runs on.
     """
 
     def __init__(self, fn: Callable[..., Any],
-                 coordinator: Callable[[], Coordinator] | None) -> None:
+                 coordinator: Callable[[], Coordinator] | None, group: object = None) -> None:
         self.fn, self._coordinator = fn, coordinator
+        self.group = group  # the communicator: a TF1 graph chains each one's ops apart
         self.key: int | None = None
         self.label = "a collective"
         self.negotiate = True
@@ -305,5 +307,5 @@ def ordered(comm: Any, fn: Callable[..., Any]) -> Callable[..., Any]:
     if comm.size < 2:
         return fn
     if getattr(comm, "backend", None) != "mpi":
-        return OrderedCall(fn, None)  # keyed (a TF1 graph chains it), run directly
-    return OrderedCall(fn, lambda: coordinator_of(comm))
+        return OrderedCall(fn, None, comm)  # keyed (a TF1 graph chains it), run directly
+    return OrderedCall(fn, lambda: coordinator_of(comm), comm)

@@ -589,3 +589,38 @@ def test_tf1_graph_broadcast_variables_op_and_legacy_optimizer_over_a_process_se
             assert sess.run(w)[0] == pytest.approx(mean if r % 2 == 0 else float(r))
     finally:
         assert hvd.remove_process_set(evens)
+
+
+def test_tf1_monitored_session_with_broadcast_hook_as_horovods_tensorflow_mnist():
+    """Horovod's examples/tensorflow/tensorflow_mnist.py: ``BroadcastGlobalVariablesHook``
+    builds its broadcast after a training op fed by placeholders (on the MPI backend its
+    ``session.run`` needed their feeds), then ``MonitoredTrainingSession`` with
+    ``StopAtStepHook``: every rank starts from the root's values and takes the averaged
+    steps. Kept last (TF1)."""
+    r, n = hvd.rank(), hvd.size()
+    with tf.Graph().as_default():
+        x = tf.compat.v1.placeholder(tf.float32, [None, 3])
+        w = tf.compat.v1.Variable(tf.fill([3, 1], float(r + 1)))
+        loss = tf.reduce_mean(tf.square(x @ w - 1.0))
+        step = tf.compat.v1.train.get_or_create_global_step()
+        opt = hvd.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.01))
+        train = opt.minimize(loss, global_step=step)
+        seen: list[np.ndarray] = []  # w when the session is created, and at its end
+
+        class Record(tf.compat.v1.train.SessionRunHook):
+            def after_create_session(self, session: object, coord: object) -> None:
+                seen.append(session.run(w))  # type: ignore[attr-defined]
+
+            def end(self, session: object) -> None:
+                seen.append(session.run(w))  # type: ignore[attr-defined]
+
+        hooks = [hvd.BroadcastGlobalVariablesHook(n - 1), Record(),
+                 tf.compat.v1.train.StopAtStepHook(last_step=4)]
+        with tf.compat.v1.train.MonitoredTrainingSession(hooks=hooks) as sess:
+            while not sess.should_stop():
+                sess.run(train, {x: np.full([2, 3], r + 1.0, np.float32)})
+    _close(seen[0], np.full([3, 1], float(n)))
+    value = float(n)
+    for _ in range(4):  # every rank's gradient 2c(3c w - 1) (rows of c = rank + 1), averaged
+        value -= 0.01 * np.mean([2 * c * (3 * c * value - 1) for c in range(1, n + 1)])
+    _close(seen[1], np.full([3, 1], value))

@@ -8,6 +8,8 @@ import functools
 from collections.abc import Sequence
 from typing import Any, cast
 
+import tensorflow as tf
+
 from plait.adapters import tf_optim
 from plait.adapters.keras_syncbn import SyncBatchNormalization
 
@@ -45,7 +47,8 @@ from ..parallel.data import DEFAULT_BUCKET_MB
 
 __all__ = [
     "check_num_rank_power_of_2", "gpu_available", "split_list",
-    "Adasum", "Average", "Compression", "Compressor", "DistributedGradientTape",
+    "Adasum", "Average", "BroadcastGlobalVariablesHook", "Compression", "Compressor",
+    "DistributedGradientTape",
     "DistributedOptimizer", "HorovodInternalError", "Max", "Min", "PartialDistributedGradientTape",
     "ProcessSet", "Product", "Sum", "SyncBatchNormalization",
     "add_process_set", "allgather", "allgather_object", "allreduce", "alltoall", "backend",
@@ -477,6 +480,36 @@ def broadcast_global_variables(root_rank: int) -> Any:
                            "use hvd.broadcast_variables(<model/optimizer variables>, root_rank)")
     return tf.group(*[v.assign(broadcast(v, root_rank, name="global." + v.name.replace(":", ".")))
                       for v in tf.compat.v1.global_variables()])  # ":" is no op name
+
+
+class BroadcastGlobalVariablesHook(tf.compat.v1.train.SessionRunHook):
+    """Horovod's TF1 ``BroadcastGlobalVariablesHook``: a ``SessionRunHook`` (for
+    ``MonitoredTrainingSession``) that assigns ``root_rank``'s values to every global
+    variable once the session is created, after a checkpoint restore. (Horovod 0.28 only
+    defines it where TensorFlow still has ``tf.estimator``, gone since TensorFlow 2.16.)
+
+    Args:
+        root_rank: the rank whose values every rank takes.
+        device: accepted, as Horovod's; the broadcast runs where plait's backend runs it.
+        process_set: a ``ProcessSet`` (default: every rank).
+    """
+
+    def __init__(self, root_rank: int, device: str = "", process_set: Any = None) -> None:
+        super().__init__()
+        self.root_rank, self.device, self.process_set = root_rank, device, process_set
+        self.bcast_op: Any = None
+
+    def begin(self) -> None:
+        """Build the broadcast into the session's graph (again if the graph changed)."""
+        if self.bcast_op is None or self.bcast_op.graph is not tf.compat.v1.get_default_graph():
+            self.bcast_op = (broadcast_global_variables(self.root_rank)
+                             if self.process_set is None
+                             else broadcast_variables(tf.compat.v1.global_variables(),
+                                                      self.root_rank, self.process_set))
+
+    def after_create_session(self, session: Any, coord: Any) -> None:
+        """Run the broadcast (every rank creates its session at this point)."""
+        session.run(self.bcast_op)
 
 
 def DistributedGradientTape(  # noqa: N802 - Horovod's name
