@@ -390,6 +390,7 @@ class TFOps:
 _POSITIONS: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
 #: per TF1 graph, its chains of host ops: [communicator, fed inputs they depend on, last op]
 _LAST_OP: weakref.WeakKeyDictionary[Any, list[list[Any]]] = weakref.WeakKeyDictionary()
+_LAST_TOKEN: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 #: op types whose values a ``session.run`` feeds, or takes from a stream (each run advances it)
 _FED = ("Placeholder", "PlaceholderWithDefault", "IteratorGetNext", "IteratorGetNextSync",
         "QueueDequeueV2", "QueueDequeueManyV2", "QueueDequeueUpToV2", "QueueDequeue",
@@ -446,7 +447,6 @@ def _fed_by(tensors: Sequence[Any]) -> frozenset[str]:
         stack.extend(t.op for t in op.inputs)
         stack.extend(op.control_inputs)
     return frozenset(found)
-_LAST_TOKEN: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()
 
 
 def _tokened(host: Callable[..., Any]) -> Callable[..., Any]:
