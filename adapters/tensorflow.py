@@ -179,11 +179,10 @@ class TFOps:
         position = graph_position() if bind is not None else None
         graph = tf.compat.v1.get_default_graph()
         chained = position is not None and not getattr(graph, "building_function", False)
-        chain = (_chain(graph, [unwrap(i) for i in inputs], getattr(fn, "group", None))
-                 if chained else None)
+        values = [unwrap(i) for i in inputs]
+        chain = _chain(graph, values, getattr(fn, "group", None)) if chained else None
         previous = chain[2] if chain is not None else None
         token = _LAST_TOKEN.get(graph) if position is not None and not chained else None
-        values = [unwrap(i) for i in inputs]
 
         def host(*args: Any) -> Any:  # a disagreement is TensorFlow's error, as in Horovod
             with tf_errors():

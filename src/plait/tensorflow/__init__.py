@@ -143,7 +143,8 @@ def size_op(process_set_id: int = 0, name: str | None = None, process_set: Any =
     if process_set is None and process_set_id == 0:
         process_set = global_process_set
     if process_set is not None:
-        return _int32(0) + group_size(_F.comm(process_set))
+        size = group_size(_F.comm(process_set))
+        return _int32(size) if isinstance(size, int) else size
     return _int32(set_size(process_set_id))
 
 
