@@ -193,7 +193,6 @@ class MPICommunicator(MPIHeader):
                 self._allreduce_data(mine, r, None, lambda out: None, mine,
                                      f"allreduce of {r.size} {r.dtype} while joined").wait()
 
-
     # -- data movement ---------------------------------------------------------------------
     def _tags(self) -> int:
         """The first tag of the next ring (the same on every rank: rings start in order)."""
