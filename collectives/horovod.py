@@ -179,6 +179,7 @@ class HorovodCommunicator(HorovodOps):
         elif carry is not None:
             arr = arr.astype(bool if dtype == "bool" else dtype)
         return ops.from_numpy(np.ascontiguousarray(arr), like)
+
     # -- collectives ---------------------------------------------------------------------
     def allreduce_async(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Handle:
         ops = self._ops(tensor, "allreduce")
