@@ -52,10 +52,17 @@ class _Distributed:
     _plait_synchronized: bool
     _plait_predivide: float
     _plait_pool: BufferPool
+    _plait_sparse: dict[str, int]
+
+    @property
+    def _parameter_names(self) -> dict[torch.nn.Parameter, str]:
+        """Horovod's ``{parameter: name}`` of the parameters this optimizer reduces."""
+        return {p: n for n, p in self._plait_params.items()}
 
     def _plait_hook(self, name: str) -> Any:
         counts, passes, predivide = self._plait_counts, self._plait_passes, self._plait_predivide
         ready, comm = self._plait_reducer.ready, self._plait_reducer.comm
+        sparse = self._plait_sparse
 
         def hook(p: torch.Tensor) -> None:
             generation = getattr(comm, "generation", 0)
@@ -69,8 +76,9 @@ class _Distributed:
                 grad = p.grad
                 if grad is None:
                     return
-                if grad.is_sparse:
-                    grad = grad.to_dense()  # reduced dense
+                if grad.is_sparse:  # reduced dense, handed back sparse (see synchronize)
+                    sparse[name] = grad.sparse_dim()
+                    grad = grad.to_dense()
                 if predivide != 1.0:
                     grad = grad / predivide
                 ready(name, grad)
@@ -110,15 +118,20 @@ class _Distributed:
 
         Without compression, or with plait's own compressors and memories, ``.grad``
         becomes a view of the bucket's reduced tensor (no copy) where the dtype and device
-        allow it.
+        allow it. A sparse gradient (an ``Embedding(sparse=True)``'s) is reduced dense and
+        comes back sparse, with as many sparse dimensions, as Horovod's
+        ``sparse_as_dense=True`` does: ``torch.optim.SparseAdam`` takes only those.
         """
-        params = self._plait_params
+        params, sparse = self._plait_params, self._plait_sparse
 
         def missing(spec: GradSpec) -> torch.Tensor:
             p = params[spec.name]
             if p.grad is None:
                 return torch.zeros_like(p)
-            return p.grad.to_dense() if p.grad.is_sparse else p.grad
+            if p.grad.is_sparse:
+                sparse[spec.name] = p.grad.sparse_dim()
+                return p.grad.to_dense()
+            return p.grad
 
         scale, strides = self._plait_predivide, self._plait_strides
         fresh = self._plait_reducer.fresh
@@ -159,6 +172,11 @@ class _Distributed:
                         p.grad = grad.to(p.dtype).clone()  # a sparse gradient comes back dense
                     else:
                         p.grad.copy_(grad)
+        for name, dims in sparse.items():
+            p = params[name]
+            if p.grad is not None and not p.grad.is_sparse:
+                p.grad = p.grad.to_sparse(dims)
+        sparse.clear()
         self._plait_counts.update(self._plait_zeros)
         self._plait_synchronized = True  # as in Horovod, not after a failure (an elastic reset)
 
@@ -262,6 +280,8 @@ def distributed_optimizer(
     dist.__dict__.update(optimizer.__dict__)
     dist._plait_skip = False
     dist._plait_synchronized = False  # synchronize() ran since the last step()
+    dist._plait_params = dict(named)
+    dist._plait_sparse = {}  # names of the gradients that were sparse: their sparse dims
     if comm is None:
         return dist  # type: ignore[no-any-return]
     dist._plait_pool = BufferPool()
@@ -269,7 +289,6 @@ def distributed_optimizer(
                                           compression=compression, memory=memory, prefix="grad",
                                           fuse=dist._plait_fuse, check_once=True,
                                           zeros=dist._plait_zero_grad, group=True)
-    dist._plait_params = dict(named)
     dist._plait_strides = {spec.name: _contiguous_strides(spec.shape) for spec in specs}
     dist._plait_counts = {n: 0 for n, _ in named}
     dist._plait_zeros = dict(dist._plait_counts)

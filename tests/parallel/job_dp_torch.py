@@ -243,6 +243,42 @@ def test_sparse_embedding_gradients_are_reduced_dense(comm):
     torch.testing.assert_close(run(True), run(False), rtol=0, atol=1e-6)
 
 
+@pytest.mark.parametrize("passes", [1, 2])
+def test_sparse_gradients_come_back_sparse_for_sparse_adam(comm, passes):
+    """Horovod's test_sparse_embeddings: SparseAdam takes only sparse gradients. Reduced
+    dense, they come back sparse (rows, as the embedding made them), and the steps equal
+    one process's on the whole batch; Horovod's ``_parameter_names`` names every one."""
+
+    def run(distributed: bool) -> torch.Tensor:
+        torch.manual_seed(0)
+        m = torch.nn.Embedding(20, 4, sparse=True)
+        opt = torch.optim.SparseAdam(list(m.parameters()), lr=0.1)
+        if distributed:
+            opt = distributed_optimizer(opt, comm, backward_passes_per_step=passes)
+            assert list(opt._parameter_names.values()) == ["param.0"]
+        g = torch.Generator().manual_seed(1)
+        for _ in range(3):
+            for _ in range(passes):
+                xb = torch.randint(0, 20, (2 * comm.size, 3), generator=g)
+                coef = torch.randn(2 * comm.size, 3, 4, generator=g)
+                if distributed:
+                    xb, coef = xb[comm.rank :: comm.size], coef[comm.rank :: comm.size]
+                (m(xb) * coef).sum().div(xb.shape[0] * passes).backward()
+            if distributed:
+                opt.synchronize()
+                assert m.weight.grad.is_sparse and m.weight.grad.sparse_dim() == 1
+                with opt.skip_synchronize():
+                    opt.step()
+            else:
+                opt.step()
+            opt.zero_grad()
+        if distributed:
+            identical_on_all_ranks(comm, m)
+        return m.weight.detach().clone()
+
+    torch.testing.assert_close(run(True), run(False), rtol=0, atol=1e-6)
+
+
 class _SlowInput(torch.autograd.Function):
     """Identity whose backward (the last of the model's backward) first lets every
     started bucket's collective finish in the background (where ``wait``): it only
