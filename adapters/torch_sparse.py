@@ -90,7 +90,7 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: st
                              ": expected a sparse COO torch tensor (tensor.to_sparse())")
     if op not in _OPS:
         raise invalid("op", op, "Average or Sum (a sparse tensor is reduced by allgather)")
-    _claim(name)
+    _claim(name, "sparse_allreduce")
     comm = communicator(process_set)[0]
     indices = tensor._indices().t().contiguous()
     values = tensor._values().contiguous()
@@ -98,5 +98,5 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: st
     sizes_handle = comm.allgather_async(shape, None if name is None else f"{name}.size")
     values_handle = comm.allgather_async(values, None if name is None else f"{name}.values")
     indices_handle = comm.allgather_async(indices, None if name is None else f"{name}.indices")
-    return SparseHandle(tensor, sizes_handle, _named(indices_handle, name), values_handle,
+    return SparseHandle(tensor, sizes_handle, _named(indices_handle, name, "sparse_allreduce"), values_handle,
                         comm.size if op == "average" else 1)

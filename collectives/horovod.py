@@ -13,6 +13,7 @@ itself is :mod:`plait.collectives.horovod_library`; starting its ops and waiting
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,6 +27,7 @@ from .check import Call
 from .horovod_library import (
     World,
     build_info,
+    finished,
     from_numpy,
     homogeneous,
     horovod_errors,
@@ -44,6 +46,7 @@ _CARRY_REDUCE = {"bfloat16": "float32", "bool": "int32", "int8": "int32", "uint8
                  "int16": "int32", "uint16": "int32"}
 _CARRY_MOVE = {"bfloat16": "int16", "uint16": "int16", "bool": "uint8"}  # (horovod.torch: no uint16)
 _BOOL_OPS = {"sum": "max", "max": "max", "min": "min", "product": "min"}
+_SETTLE_NAP_S = 5e-4  # between polls of the ops in flight before a join (see _settle)
 
 
 class HorovodCommunicator(HorovodOps):
@@ -336,6 +339,7 @@ class HorovodCommunicator(HorovodOps):
             The rank that joined last.
         """
         if self.framework == "torch" and self.size > 1:
+            self._settle()
             with horovod_errors():
                 last = int(self._hvd.join(device))
             # ranks whose calls failed while others were joined numbered checks and ops
@@ -348,6 +352,20 @@ class HorovodCommunicator(HorovodOps):
             self._seq, self._checks = (int(c) for c in rows.view(np.int64).reshape(-1, 2).max(0))
             return last
         return super().join(device)
+
+    def _settle(self) -> None:
+        """Wait until this rank's ops in flight have completed (at most the timeout; then
+        join anyway). Horovod 0.28 never completes an op still waiting in its queue when
+        ``join`` reaches it: an ``allreduce_async`` right before ``hvd.join()`` (Horovod's
+        own duplicate-name tests do that) stayed pending for ever, with real Horovod too,
+        and its shutdown later crashed the process."""
+        keeper, hvd = self._w.keeper, self._hvd
+        if keeper is None:
+            return
+        deadline = time.monotonic() + self.timeout
+        for handle in keeper.handles():
+            while not finished(hvd, handle) and time.monotonic() < deadline:
+                time.sleep(_SETTLE_NAP_S)
 
     # -- point to point (through MPI) ------------------------------------------------------
     def _p2p(self) -> Any:

@@ -250,7 +250,9 @@ class Done:
         return True
 
 
-#: Names of the operations in flight in this process (Horovod's tensor queue is per process).
+#: Names of the operations in flight in this process (Horovod's tensor queue is per process),
+#: each after its kind, as Horovod names them ("allreduce.NAME"): an allgather may share an
+#: allreduce's name.
 _IN_FLIGHT: dict[str, _Named] = {}
 #: Operations started through the faces so far (the number of the last one).
 _STARTED = [0]
@@ -283,13 +285,15 @@ class _Named:
         return finished
 
 
-def _claim(name: str | None) -> None:
-    """Raise Horovod's ``ValueError`` when an operation of this name is still in flight.
+def _claim(name: str | None, kind: str) -> None:
+    """Raise Horovod's ``ValueError`` when an operation of this ``kind`` ("allreduce",
+    "allgather"...) and ``name`` is still in flight.
 
     An operation that completed without being waited on frees its name once an
-    operation of another name started after it (Horovod frees a name when its
-    operation completes; its background cycle makes that at least a cycle after the
+    operation of another name, or a ``join``, started after it (Horovod frees a name when
+    its operation completes; its background cycle makes that at least a cycle after the
     start, so an immediate reuse of the same name always raises, and does here too)."""
+    name = None if name is None else f"{kind}.{name}"
     held = _IN_FLIGHT.get(name) if name is not None else None
     if held is not None and held.number < _STARTED[0]:
         try:
@@ -298,16 +302,18 @@ def _claim(name: str | None) -> None:
             held._release()
     if name is not None and name in _IN_FLIGHT:
         raise ConfigError(
-            f"an operation named {name!r} is still in flight (not yet synchronized); Horovod "
-            "refuses two concurrent operations with the same name: use a different name")
+            f"an operation named {name.split('.', 1)[1]!r} ({kind}) is still in flight (not yet "
+            "synchronized); Horovod refuses two concurrent operations with the same name: use "
+            "a different name")
     _STARTED[0] += 1
 
 
-def _named(handle: Handle, name: str | None) -> Handle:
+def _named(handle: Handle, name: str | None, kind: str) -> Handle:
+    """``handle``, holding ``kind.name`` in flight until it is waited on or polled done."""
     if name is None:
         return handle
-    named = _Named(handle, name)
-    _IN_FLIGHT[name] = named
+    named = _Named(handle, f"{kind}.{name}")
+    _IN_FLIGHT[named._name] = named
     return named
 
 
@@ -527,17 +533,19 @@ class Face:
         Returns:
             The global rank that called ``join`` last.
         """
-        return runtime.world().join(device)
+        last = runtime.world().join(device)
+        _STARTED[0] += 1  # the operations started before are over: their names may be free
+        return last
 
     # -- collectives -------------------------------------------------------------------------
     def allreduce_async(self, tensor: Any, average: bool | None = None, name: str | None = None,
                         op: str | None = None, prescale_factor: float = 1.0,
                         postscale_factor: float = 1.0, process_set: Any = None) -> Handle:
-        _claim(name)
+        _claim(name, "allreduce")
         handle = self.comm(process_set).allreduce_async(scale(tensor, prescale_factor),
                                                         resolve_op(average, op), name)
         handle = MappedHandle(handle, lambda out: keep_shape(tensor, scale(out, postscale_factor)))
-        return _named(handle, name)
+        return _named(handle, name, "allreduce")
 
     def allreduce(self, tensor: Any, average: bool | None = None, name: str | None = None,
                   op: str | None = None, prescale_factor: float = 1.0,
@@ -549,7 +557,7 @@ class Face:
                           name: str | None = None, op: str | None = None,
                           prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                           process_set: Any = None) -> list[Any]:
-        _claim(name)
+        _claim(name, "grouped_allreduce")
         tensors = list(tensors)
         outs = self.comm(process_set).grouped_allreduce(
             [scale(t, prescale_factor) for t in tensors], resolve_op(average, op), name)
@@ -557,8 +565,8 @@ class Face:
 
     def allgather_async(self, tensor: Any, name: str | None = None,
                         process_set: Any = None) -> Handle:
-        _claim(name)
-        return _named(self.comm(process_set).allgather_async(tensor, name), name)
+        _claim(name, "allgather")
+        return _named(self.comm(process_set).allgather_async(tensor, name), name, "allgather")
 
     def allgather(self, tensor: Any, name: str | None = None, process_set: Any = None) -> Any:
         return self.allgather_async(tensor, name, process_set).wait()
@@ -566,7 +574,7 @@ class Face:
     def grouped_allgather(self, tensors: Sequence[Any], name: str | None = None,
                           process_set: Any = None) -> list[Any]:
         """Allgather several tensors (started together, waited together)."""
-        _claim(name)
+        _claim(name, "grouped_allgather")
         comm = self.comm(process_set)
         handles = [comm.allgather_async(t, None if name is None else f"{name}.{i}")
                    for i, t in enumerate(tensors)]
@@ -574,11 +582,11 @@ class Face:
 
     def broadcast_async(self, tensor: Any, root_rank: int, name: str | None = None,
                         process_set: Any = None) -> Handle:
-        _claim(name)
+        _claim(name, "broadcast")
         comm, root = self.target(process_set, root_rank)
         handle = MappedHandle(comm.broadcast_async(tensor, root, name),
                          lambda out: keep_shape(tensor, out))
-        return _named(handle, name)
+        return _named(handle, name, "broadcast")
 
     def broadcast(self, tensor: Any, root_rank: int, name: str | None = None,
                   process_set: Any = None) -> Any:
@@ -589,7 +597,7 @@ class Face:
         """Horovod's ``alltoall``: the received tensor, and with ``splits`` given also the
         received splits (an int32 tensor of the tensor's framework); without ``splits``
         the first dimension is split evenly."""
-        _claim(name)
+        _claim(name, "alltoall")
         given = splits
         if splits is not None and not isinstance(splits, (list, tuple)):
             splits = [int(s) for s in splits]
@@ -616,7 +624,7 @@ class Face:
                             postscale_factor: float = 1.0) -> Handle:
         """Reduce over the ranks and keep this rank's rows; Horovod's rule gives the first
         ``rows % size`` ranks one extra row. plait runs it at call time."""
-        _claim(name)
+        _claim(name, "reducescatter")
         out = self.comm(process_set).reducescatter(  # type: ignore[attr-defined]
             scale(tensor, prescale_factor), op, name)
         return Done(scale(out, postscale_factor))
@@ -632,7 +640,7 @@ class Face:
                               prescale_factor: float = 1.0,
                               postscale_factor: float = 1.0) -> list[Any]:
         """:meth:`reducescatter` of several tensors."""
-        _claim(name)
+        _claim(name, "grouped_reducescatter")
         return [self.reducescatter(t, None if name is None else f"{name}.{i}", op, process_set,
                                    prescale_factor, postscale_factor)
                 for i, t in enumerate(tensors)]

@@ -213,7 +213,7 @@ def allreduce(tensor: Any, average: bool | None = None, device_dense: str = "",
     """
     from plait.adapters import tf_collectives as tc
 
-    claim_name(name)
+    claim_name(name, "allreduce")
     comm, how = _F.comm(process_set), resolve_op(average, op)
     if tc.is_sparse(tensor):
         tc.check_sparse(how, prescale_factor, postscale_factor)
@@ -236,7 +236,7 @@ def allgather(tensor: Any, name: str | None = None, ignore_name_scope: bool = Fa
     """
     from plait.adapters import tf_collectives as tc
 
-    claim_name(name)
+    claim_name(name, "allgather")
     comm = _F.comm(process_set)
     return tc.differentiable(lambda t: comm.allgather(t, name),
                              tc.allgather_backward(comm, tensor, name), tensor)
@@ -252,7 +252,7 @@ def broadcast(tensor: Any, root_rank: int, name: str | None = None, ignore_name_
     """
     from plait.adapters import tf_collectives as tc
 
-    claim_name(name)
+    claim_name(name, "broadcast")
     comm, root = _F.target(process_set, root_rank)
 
     def backward(dy: Any) -> Any:
@@ -275,7 +275,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
     """
     from plait.adapters import tf_collectives as tc
 
-    claim_name(name)
+    claim_name(name, "alltoall")
     comm = _F.comm(process_set)
     kept: list[Any] = []
 
@@ -338,7 +338,7 @@ def grouped_allgather(tensors: Sequence[Any], name: str | None = None,
     """
     from plait.adapters import tf_collectives as tc
 
-    claim_name(name)
+    claim_name(name, "grouped_allgather")
     tensors, comm = list(tensors), _F.comm(process_set)
     labels = [None if name is None else f"{name}.{i}" for i in range(len(tensors))]
 
@@ -367,7 +367,7 @@ def grouped_reducescatter(tensors: Sequence[Any], device_dense: str = "",
     tensors = list(tensors)
     for t in tensors:
         _check_scatterable(t)
-    claim_name(name)
+    claim_name(name, "grouped_reducescatter")
     comm = _F.comm(process_set)
     labels = [None if name is None else f"{name}.{i}" for i in range(len(tensors))]
     factor = (comm.size if op == Sum else 1) * prescale_factor * postscale_factor
@@ -407,7 +407,7 @@ def grouped_allreduce(tensors: Sequence[Any], average: bool | None = None, devic
 
     from .._face_compression import to_plait
 
-    claim_name(name)
+    claim_name(name, "grouped_allreduce")
     tensors, how = list(tensors), resolve_op(average, op)
     comm = _F.comm(process_set)
     sparse = [i for i, t in enumerate(tensors) if tc.is_sparse(t)]

@@ -95,7 +95,7 @@ def allreduce(tensor: Any, average: bool | None = None, name: str | None = None,
     Raises:
         ConfigError: when an operation of the same ``name`` is still in flight.
     """
-    claim_name(name)
+    claim_name(name, "allreduce")
     reduce_op = resolve_op(average, op)
     comm = _F.comm(process_set)
 
@@ -161,7 +161,7 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
         if splits is not None:
             out, got = _F.alltoall(t, splits, name, process_set)
         else:  # even splits; other ranks may send this one more or fewer rows
-            claim_name(name)
+            claim_name(name, "alltoall")
             out, got = comm.alltoall(t, None, name)  # type: ignore[attr-defined]
         received.append(got)
         return out
