@@ -98,5 +98,6 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: st
     sizes_handle = comm.allgather_async(shape, None if name is None else f"{name}.size")
     values_handle = comm.allgather_async(values, None if name is None else f"{name}.values")
     indices_handle = comm.allgather_async(indices, None if name is None else f"{name}.indices")
-    return SparseHandle(tensor, sizes_handle, _named(indices_handle, name, "sparse_allreduce"), values_handle,
+    indices_handle = _named(indices_handle, name, "sparse_allreduce")
+    return SparseHandle(tensor, sizes_handle, indices_handle, values_handle,
                         comm.size if op == "average" else 1)
