@@ -318,7 +318,8 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op
     e.g. by ``PartialDistributedOptimizer``) keep this rank's gradient, divided by the
     number of ranks with ``scale_local_gradients``. Its ``_compute_gradients(loss,
     var_list, grad_loss=None, tape=None)`` returns the reduced ``(gradient, variable)``
-    pairs, as Horovod's Keras optimizer's does.
+    pairs, as Horovod's Keras optimizer's does, and ``apply_gradients`` of those pairs
+    does not reduce them again.
 
     Args:
         optimizer: a Keras 3 optimizer (not yet used).
@@ -379,8 +380,12 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op
     def compute_reduced(self: Any, loss: Any, var_list: Any, grad_loss: Any = None,
                         tape: Any = None) -> list[tuple[Any, Any]]:
         """Horovod's ``_compute_gradients``: the reduced ``(gradient, variable)`` pairs
-        of ``loss`` (a tensor recorded by ``tape``, or a callable) for ``var_list``."""
-        variables = list(var_list() if callable(var_list) else var_list)
+        of ``loss`` (a tensor recorded by ``tape``, or a callable) for ``var_list`` (nested
+        lists flattened, as Keras 2 did). ``apply_gradients`` of these very gradients
+        does not reduce them again (Horovod's reduces only here). With
+        ``backward_passes_per_step`` > 1 they are this rank's own: ``apply`` adds them up
+        and reduces every Nth pass."""
+        variables = tf.nest.flatten(var_list() if callable(var_list) else var_list)
         if callable(loss):
             tape = tape if tape is not None else tf.GradientTape()
             with tape:
@@ -389,7 +394,11 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op
         elif tape is None:
             raise invalid("tape", None, "the tf.GradientTape that recorded `loss` (or a callable loss)")
         grads = list(tape.gradient(loss, variables, grad_loss))
-        return list(zip(reduce(self, grads, variables), variables))
+        if passes > 1:
+            return list(zip(grads, variables))
+        reduced = reduce(self, grads, variables)
+        self._plait_reduced = tuple(reduced)  # see apply
+        return list(zip(reduced, variables))
 
     def build(self: Any, variables: Any) -> None:
         base.build(self, variables)
@@ -405,6 +414,10 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op
             variables = self._trainable_variables
         variables, grads = list(variables), list(grads)
         if passes == 1:
+            done = getattr(self, "_plait_reduced", ())
+            self._plait_reduced = ()
+            if len(done) == len(grads) and all(g is d for g, d in zip(grads, done)):
+                return base.apply(self, grads, trainable_variables)  # _compute_gradients' own
             return base.apply(self, reduce(self, grads, variables), trainable_variables)
         if not self.built:
             self.build(variables)

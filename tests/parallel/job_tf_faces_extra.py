@@ -325,6 +325,16 @@ def test_partial_keras_optimizer_keeps_local_layers_gradients_local(graph, scale
     assert [v is w for (_, v), w in zip(pairs, variables)] == [True] * len(variables)
     for (g, v), w in zip(pairs, wanted):
         _close(g, w, v.path)
+
+    def compute_and_apply(x: tf.Tensor) -> None:  # Horovod's test_tensorflow2_keras pattern:
+        with tf.GradientTape() as tape:  # nested var_list, its pairs applied as they are
+            loss = _loss(shared, local, x)
+        opt.apply_gradients(opt._compute_gradients(loss, [variables[:k], variables[k:]], tape=tape))
+
+    (tf.function(compute_and_apply) if graph else compute_and_apply)(x)
+    for v, b, g in zip(variables, before, wanted):  # reduced once (before: local ones twice)
+        _close(v, b - 0.5 * np.asarray(g), v.path)
+        v.assign(b)
     plain = hk.DistributedOptimizer(keras.optimizers.SGD(0.5))  # register_local_var by hand
     plain.register_local_var(local.kernel)
     pairs = plain._compute_gradients(lambda: _loss(shared, local, x), variables)
