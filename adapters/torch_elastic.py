@@ -40,17 +40,23 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         self.shared: set[int] = set()  # processed indices every rank already knows
         self.indices: list[int] = []
         self.num_replicas = self.rank = self.num_samples = self.total_size = 0
+        #: Horovod 0.28's count of samples processed this epoch (every rank's batches);
+        #: informative here, the indices above say which
+        self.processed_num = 0
         self.reset()
 
     def set_epoch(self, epoch: int) -> None:
         """Start epoch ``epoch``: nothing is processed yet."""
         self.epoch = epoch
         self.processed_indices, self.shared = set(), set()
+        self.processed_num = 0
         self.reset()
 
     def record_batch(self, batch_idx: int, batch_size: int) -> None:
-        """Record batch ``batch_idx`` (of ``batch_size``) of this rank's indices as processed."""
+        """Record batch ``batch_idx`` (of ``batch_size``) of this rank's indices as processed
+        (and, as Horovod 0.28, ``batch_size`` samples of every rank in ``processed_num``)."""
         self.record_indices(self.get_indices(batch_idx, batch_size))
+        self.processed_num += batch_size * self.num_replicas
 
     def record_indices(self, indices: Iterable[int]) -> None:
         """Record dataset indices as processed."""
@@ -62,13 +68,23 @@ class ElasticSampler(torch.utils.data.Sampler[int]):
         return self.indices[start:min(start + batch_size, len(self.indices))]
 
     def state_dict(self) -> dict[str, Any]:
-        """The epoch and the processed indices."""
-        return {"epoch": self.epoch, "processed_indices": set(self.processed_indices)}
+        """The epoch, the processed indices and Horovod 0.28's ``processed_num``."""
+        return {"epoch": self.epoch, "processed_indices": set(self.processed_indices),
+                "processed_num": self.processed_num}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Take the epoch and processed indices, and re-shard the rest."""
+        """Take the epoch and processed indices, and re-shard the rest. A state saved by
+        Horovod 0.28's sampler has only ``processed_num``: the first that many indices of
+        its epoch's order (``seed + epoch`` shuffled) are the processed ones."""
         self.epoch = state_dict["epoch"]
-        self.processed_indices = set(state_dict["processed_indices"])
+        self.processed_num = int(state_dict.get("processed_num", 0))
+        if "processed_indices" in state_dict:
+            self.processed_indices = set(state_dict["processed_indices"])
+        else:
+            order = list(range(len(self.dataset)))
+            if self.shuffle:
+                random.Random(self.seed + self.epoch).shuffle(order)
+            self.processed_indices = set(order[: self.processed_num])
         self.shared = set(self.processed_indices)  # every rank loads the same state
         self.reset()
 

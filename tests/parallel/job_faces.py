@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import os
+import random
 import time
 import warnings
 from typing import Any
@@ -885,6 +886,14 @@ def test_torch_state_syncs_restores_commits_and_resumes(tmp_path, monkeypatch):
     with_sampler.sync()
     left = set().union(*hvd.allgather_object(list(sampler)))
     assert left == set(range(11)) - done
+    assert sampler.processed_num == 2 * 2 * hvd.size()  # Horovod 0.28's count
+    # a state Horovod 0.28's sampler saved: the first processed_num of the epoch's order
+    order = list(range(11))
+    random.Random(3 + 0).shuffle(order)
+    sampler.load_state_dict({"epoch": 0, "processed_num": 4})
+    assert sampler.processed_indices == set(order[:4]) and sampler.processed_num == 4
+    sampler.set_epoch(1)
+    assert sampler.processed_num == 0 and not sampler.processed_indices
 
 
 def test_tf_face_errors_util_and_global_variables_as_horovod():
