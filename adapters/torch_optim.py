@@ -243,7 +243,7 @@ def distributed_optimizer(
         compression: a compressor (e.g. ``plait.compression.FP16()``), or None.
         memory: its error-feedback memory (e.g. ``plait.compression.Residual()``), or None.
         backward_passes_per_step: backward passes accumulated locally per step.
-        op: "average" (default), "sum" or "adasum" (Horovod backend).
+        op: "average" (default), "sum" or "adasum" (Horovod's Adasum).
         bucket_mb: fusion bucket size in MiB; 0 reduces each gradient alone; None
             (default): tuned in the first steps (``PLAIT_BUCKET_MB`` fixes it, see
             :mod:`plait.parallel.autotune`).

@@ -29,6 +29,7 @@ from plait.adapters.numpy import bf16_to_f32, f32_to_bf16
 from plait.errors import MismatchError, invalid
 from plait.protocols import Handle, Tensor
 
+from .adasum import ADASUM_DTYPES, adasum, power_of_two
 from .base import Done, check_splits, floating, reducescatter_counts
 from .check import Call
 from .join import ALLREDUCE, JOINED, SMALL, STEP, Reduction, describe, read, zeros
@@ -126,6 +127,7 @@ class MPICommunicator(MPIHeader):
     def __init__(self, comm: Any = None, *, check: bool = True, timeout: float = 300.0,
                  tuning: Tuning | None = None) -> None:
         super().__init__(comm, check=check, timeout=timeout)
+        self.adasum = True  # op="adasum": gathered and combined in numpy (see _adasum)
         self.tuning = Tuning.from_env() if tuning is None else tuning
         # the tag ranges of successive rings; a split communicator used to fall back to
         # 7 ranges (32767 // 4096), so a DP step with more buckets in flight reused tags
@@ -289,6 +291,8 @@ class MPICommunicator(MPIHeader):
             return graph
         dtype = ops.dtype_name(tensor)
         buf = ops.to_numpy(tensor)
+        if op == "adasum":
+            return Done(ops.from_numpy(self._adasum(buf, dtype, name), tensor))
         plan = self._allreduce_plan(ops, buf, dtype, op, name, sync)
         call = plan.call
         if self.size == 1:
@@ -306,6 +310,28 @@ class MPICommunicator(MPIHeader):
 
         finish = functools.partial(self._finish_reduce, ops, op, dtype, buf.shape, tensor)
         return self._allreduce_data(buf, r, ops, finish, (buf, tensor), plan.what, sync)
+
+    def _adasum(self, buf: np.ndarray, dtype: str, name: str | None) -> np.ndarray:
+        """Horovod's Adasum of ``buf`` over the group: every rank's tensor gathered (memory:
+        the group's size times the tensor, where Horovod exchanges halves) and combined
+        by :func:`~plait.collectives.adasum.adasum`, the same on every rank.
+
+        Raises:
+            ConfigError: for a dtype other than float16, float32 or float64.
+            NotImplementedError: for a group whose size is not a power of two (Horovod's
+                condition).
+        """
+        if dtype not in ADASUM_DTYPES:
+            raise invalid("op", "adasum", f"another op for a {dtype} tensor (Adasum takes "
+                          f"{', '.join(ADASUM_DTYPES)})")
+        if not power_of_two(self.size):
+            raise NotImplementedError(f"Adasum needs a power-of-two number of ranks, as in "
+                                      f"Horovod; this group has {self.size}")
+        if self.size == 1:
+            return buf.copy()
+        flat = np.ascontiguousarray(buf).reshape(1, -1)
+        parts = self.allgather(flat, f"{'' if name is None else name}#adasum")
+        return adasum(np.asarray(parts)).reshape(buf.shape)
 
     def _finish_reduce(self, ops: Any, op: str, dtype: str, shape: tuple[int, ...], like: Tensor,
                        out: np.ndarray) -> Tensor:

@@ -44,7 +44,7 @@ class DataParallel:
         memory: its error-feedback memory (e.g. ``plait.compression.Residual()`` or
             "residual"), or None; it needs a lossy ``compression``.
         mode: "sync" (allreduce every step) or "async" (see ``plait.parallel.asyncdp``).
-        op: "average" (default) or "sum" (or "adasum" on the Horovod backend).
+        op: "average" (default) or "sum" (or "adasum", Horovod's Adasum).
         bucket_mb: fusion bucket size in MiB; None (default): tuned in the first steps
             for torch (:mod:`plait.parallel.autotune`), 25 MiB for TensorFlow/Keras.
         backward_passes_per_step: local backward passes accumulated per step (torch, and
