@@ -70,7 +70,7 @@ def _instrument(timers: Timers) -> None:
     """Wrap the wrapper's entry points and the communicator's (before any optimizer is made:
     the hooks and the reducer keep bound methods)."""
     from plait.adapters import torch_optim
-    from plait.collectives import base, mpi
+    from plait.collectives import base, mpi_wait
     from plait.collectives.horovod import HorovodCommunicator
     from plait.collectives.mpi import MPICommunicator
 
@@ -86,7 +86,7 @@ def _instrument(timers: Timers) -> None:
         for name in ("allreduce_async", "group_allreduce_async", "step_notice"):
             if hasattr(cls, name):
                 timers.patch(cls, name, "comm")
-    for handle in (base.Done, base.Pending, base.MappedHandle, mpi._Flight):
+    for handle in (base.Done, base.Pending, base.MappedHandle, mpi_wait._Flight):
         timers.patch(handle, "wait", "comm")
 
 
