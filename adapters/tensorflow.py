@@ -458,22 +458,48 @@ def _tokened(host: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-class TFMismatchError(MismatchError, tf.errors.FailedPreconditionError):
+class _Remade:
+    """Pickles a plait TensorFlow error as TensorFlow's own code remakes one:
+    ``(node_def, op, message, error_code)`` (its inherited ``__reduce__`` reads the names of
+    ``__init__``'s arguments)."""
+
+    node_def: Any
+    op: Any
+    message: str
+    error_code: int
+
+    def __reduce__(self) -> tuple[Any, tuple[Any, ...]]:
+        return self.__class__, (self.node_def, self.op, self.message, self.error_code)
+
+
+class TFMismatchError(_Remade, MismatchError, tf.errors.FailedPreconditionError):
     """A :class:`~plait.errors.MismatchError` that is also TensorFlow's
     ``FailedPreconditionError``, the error Horovod's TensorFlow ops raise when ranks
     disagree (so ``except tf.errors.FailedPreconditionError`` written for Horovod works)."""
 
-    def __init__(self, message: str) -> None:
-        tf.errors.FailedPreconditionError.__init__(self, None, None, message)
+    def __init__(self, *args: Any) -> None:
+        tf.errors.FailedPreconditionError.__init__(self, *_op_error_args(args))
 
 
-class TFConfigError(ConfigError, tf.errors.InvalidArgumentError):
+class TFConfigError(_Remade, ConfigError, tf.errors.InvalidArgumentError):
     """A :class:`~plait.errors.ConfigError` that is also TensorFlow's
     ``InvalidArgumentError``, the error Horovod's TensorFlow ops raise for bad
     arguments (e.g. ``alltoall`` splits that do not fit the tensor)."""
 
-    def __init__(self, message: str) -> None:
-        tf.errors.InvalidArgumentError.__init__(self, None, None, message)
+    def __init__(self, *args: Any) -> None:
+        tf.errors.InvalidArgumentError.__init__(self, *_op_error_args(args))
+
+
+def _op_error_args(args: tuple[Any, ...]) -> tuple[Any, Any, str]:
+    """``(node_def, op, message)`` for a TensorFlow error made as ``(message)`` by plait, or
+    as ``(node_def, op, message, error_code)`` by TensorFlow's own code: Keras re-raises
+    an op error with its frames filtered that way, and unpickling remakes one so."""
+    if len(args) == 1:
+        return None, None, args[0]
+    if len(args) in (3, 4):
+        return args[0], args[1], args[2]
+    raise TypeError(f"a TensorFlow error takes (message) or (node_def, op, message[, error_code]), "
+                    f"got {len(args)} arguments")
 
 
 @contextlib.contextmanager

@@ -283,6 +283,8 @@ class HorovodCommunicator(HorovodOps):
         t = self._native(ops, tensor, carry)
         if splits is not None and ops.owns(splits) and ops.is_symbolic(splits):
             lib_splits = ops.cast(splits, "int32")  # a graph's splits (a gradient's): Horovod checks
+        elif splits is None and shape[0] < 0:  # a graph's unknown rows: Horovod splits evenly
+            lib_splits = from_numpy(self._w.ops, np.zeros(0, dtype=np.int32))  # and checks
         else:
             send = check_splits(splits, shape[0], self.size)
             lib_splits = from_numpy(self._w.ops, np.array(send, dtype=np.int32))

@@ -5,6 +5,8 @@ both)."""
 
 from __future__ import annotations
 
+import pickle
+
 import keras
 import numpy as np
 import pytest
@@ -12,6 +14,7 @@ import tensorflow as tf
 
 import plait.keras as hk
 import plait.tensorflow as hvd
+from plait.errors import ConfigError
 
 hvd.init()
 ATOL = 1e-5
@@ -515,6 +518,34 @@ def test_many_collectives_gradients_in_one_tf_function_equal_eager_ones():
     for k in (1.0, 2.0, 3.0):
         for got, want in zip(graph(tf.constant(k)), grads(tf.constant(k)), strict=True):
             _close(got, want.numpy())
+
+
+def test_alltoall_of_rows_unknown_when_traced_splits_evenly_at_run_time():
+    """Horovod's model-parallel test: a Keras model alltoalls its embedding output inside a
+    tf.function traced with rows of unknown length; splits=None splits evenly at run time,
+    and rows that do not split evenly raise InvalidArgumentError (a ConfigError) on every
+    rank, also through Keras' error filter, which remakes TensorFlow errors."""
+    r, n = hvd.rank(), hvd.size()
+
+    class Swap(keras.Model):
+        def call(self, x: tf.Tensor) -> tf.Tensor:
+            return hvd.alltoall(x * 2.0)
+
+    model = Swap()
+    step = tf.function(model, input_signature=[tf.TensorSpec([None, 2], tf.float32)])
+    x = tf.reshape(tf.range(2 * n * 2, dtype=tf.float32), [2 * n, 2]) + 100.0 * r
+    want = np.concatenate([x.numpy()[2 * r : 2 * r + 2] * 2.0 - 200.0 * r + 200.0 * s
+                           for s in range(n)])
+    _close(step(x), want)
+    if n > 1:
+        with pytest.raises(tf.errors.InvalidArgumentError):
+            step(tf.ones([2 * n + 1, 2]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="splits") as info:
+        hvd.alltoall(tf.ones([3, 2]), splits=[3])
+    e = info.value  # Keras re-raises an op error as type(e)(node_def, op, message, error_code)
+    again = type(e)(e.node_def, e.op, "filtered: " + e.message, e.error_code)
+    assert isinstance(again, ConfigError) and again.message == "filtered: " + e.message
+    assert type(pickle.loads(pickle.dumps(e))) is type(e)
 
 
 def test_object_collectives_take_horovods_tensorflow_arguments():
