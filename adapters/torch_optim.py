@@ -53,6 +53,9 @@ class _Distributed:
     _plait_predivide: float
     _plait_pool: BufferPool
     _plait_sparse: dict[str, int]
+    _plait_sparse_as_dense: bool
+    _plait_gathered: dict[str, tuple[int, Any]]
+    _plait_apart: dict[str, int]
 
     @property
     def _parameter_names(self) -> dict[torch.nn.Parameter, str]:
@@ -63,6 +66,7 @@ class _Distributed:
         counts, passes, predivide = self._plait_counts, self._plait_passes, self._plait_predivide
         ready, comm = self._plait_reducer.ready, self._plait_reducer.comm
         sparse = self._plait_sparse
+        gather = not self._plait_sparse_as_dense and self._plait_reducer.op in ("average", "sum")
 
         def hook(p: torch.Tensor) -> None:
             generation = getattr(comm, "generation", 0)
@@ -75,6 +79,9 @@ class _Distributed:
             if n == passes:
                 grad = p.grad
                 if grad is None:
+                    return
+                if grad.is_sparse and gather:  # allgathered, as Horovod's default
+                    self._plait_gather(name, grad)
                     return
                 if grad.is_sparse:  # reduced dense, handed back sparse (see synchronize)
                     sparse[name] = grad.sparse_dim()
@@ -89,6 +96,28 @@ class _Distributed:
                     "synchronize()) after that many backward passes, or raise it"
                 )
         return hook
+
+    def _plait_gather(self, name: str, grad: torch.Tensor) -> None:
+        """Start the allgather of a sparse gradient's rows (Horovod's ``sparse_as_dense=False``,
+        its default): each rank sends the rows it touched, not the whole dense tensor. The
+        first time, the reducer still has a place for it: it reduces zeros there for this
+        step, and from the next step on it plans its buckets without it."""
+        from .torch_sparse import start_sparse_allreduce
+
+        reducer = self._plait_reducer
+        self._plait_gathered[name] = (getattr(reducer.comm, "generation", 0), start_sparse_allreduce(
+            reducer.comm, grad, f"grad.sparse.{name}", reducer.op))
+        if name not in self._plait_apart:
+            reducer.ready(name, torch.zeros_like(self._plait_params[name]))
+
+    def _plait_sparse_grad(self, name: str) -> torch.Tensor:
+        """This rank's sparse gradient of ``name``, allgathered apart: ``.grad`` (made sparse
+        if it is dense), or no rows when there is none (this rank still takes part)."""
+        p, dims = self._plait_params[name], self._plait_apart[name]
+        if p.grad is None:
+            return torch.sparse_coo_tensor(torch.empty((dims, 0), dtype=torch.int64),
+                                           p.new_empty((0,) + tuple(p.shape[dims:])), p.shape)
+        return p.grad if p.grad.is_sparse else p.grad.to_sparse(dims)
 
     def _plait_zero_grad(self, spec: GradSpec) -> torch.Tensor:
         """A zero gradient (what this rank contributes to the others' steps once joined)."""
@@ -120,9 +149,19 @@ class _Distributed:
         becomes a view of the bucket's reduced tensor (no copy) where the dtype and device
         allow it. A sparse gradient (an ``Embedding(sparse=True)``'s) is reduced dense and
         comes back sparse, with as many sparse dimensions, as Horovod's
-        ``sparse_as_dense=True`` does: ``torch.optim.SparseAdam`` takes only those.
+        ``sparse_as_dense=True`` does: ``torch.optim.SparseAdam`` takes only those. By
+        default (``sparse_as_dense=False``) its rows are allgathered instead, as Horovod
+        does: ``.grad`` becomes the uncoalesced sum (or average) of every rank's rows.
         """
         params, sparse = self._plait_params, self._plait_sparse
+        gathered = self._plait_gathered
+        generation = getattr(self._plait_reducer.comm, "generation", 0)
+        for name, (started, _) in list(gathered.items()):
+            if started != generation:  # an elastic reset interrupted the step: again
+                del gathered[name]
+        for name in self._plait_apart:
+            if name not in gathered:
+                self._plait_gather(name, self._plait_sparse_grad(name))
 
         def missing(spec: GradSpec) -> torch.Tensor:
             p = params[spec.name]
@@ -177,6 +216,16 @@ class _Distributed:
             if p.grad is not None and not p.grad.is_sparse:
                 p.grad = p.grad.to_sparse(dims)
         sparse.clear()
+        if gathered:
+            new: dict[str, int] = {}
+            for name, (_, handle) in gathered.items():
+                reduced = params[name].grad = handle.wait()
+                if name not in self._plait_apart:
+                    new[name] = reduced.sparse_dim()
+            gathered.clear()
+            if new:  # every rank alike: the same parameters have sparse gradients
+                self._plait_apart.update(new)
+                self._plait_reducer.exclude(new)
         self._plait_counts.update(self._plait_zeros)
         self._plait_synchronized = True  # as in Horovod, not after a failure (an elastic reset)
 
@@ -200,7 +249,7 @@ class _Distributed:
         return super().step(closure)  # type: ignore[misc]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._plait_reducer.pending:
+        if self._plait_reducer.pending or self._plait_gathered:
             raise RuntimeError(
                 "zero_grad() while gradients are being reduced: call step() or synchronize() "
                 "after backward_passes_per_step backward passes, before zero_grad()"
@@ -231,6 +280,7 @@ def distributed_optimizer(
     op: str = "average",
     bucket_mb: float | None = None,
     gradient_predivide_factor: float = 1.0,
+    sparse_as_dense: bool = False,
 ) -> torch.optim.Optimizer:
     """Wrap ``optimizer`` so that ``step()`` applies gradients averaged over ``comm``.
 
@@ -249,6 +299,9 @@ def distributed_optimizer(
             :mod:`plait.parallel.autotune`).
         gradient_predivide_factor: divide gradients by this before the sum and
             multiply after (Horovod's pre/post scaling for large jobs).
+        sparse_as_dense: reduce sparse gradients (``Embedding(sparse=True)``'s) dense and
+            hand them back sparse; by default (as Horovod) their rows are allgathered,
+            with op "average" or "sum" (another op reduces them dense).
 
     Returns:
         An optimizer of a subclass of ``type(optimizer)`` sharing its state.
@@ -282,6 +335,9 @@ def distributed_optimizer(
     dist._plait_synchronized = False  # synchronize() ran since the last step()
     dist._plait_params = dict(named)
     dist._plait_sparse = {}  # names of the gradients that were sparse: their sparse dims
+    dist._plait_sparse_as_dense = bool(sparse_as_dense)
+    dist._plait_gathered = {}  # sparse gradients allgathered this step: (generation, handle)
+    dist._plait_apart = {}  # sparse gradients the reducer no longer holds: their sparse dims
     if comm is None:
         return dist  # type: ignore[no-any-return]
     dist._plait_pool = BufferPool()

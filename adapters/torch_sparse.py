@@ -13,9 +13,9 @@ import torch
 from plait._face import _claim, _named, scale
 from plait._process_sets import communicator
 from plait.errors import MismatchError, PlaitTypeError, invalid
-from plait.protocols import Handle
+from plait.protocols import Communicator, Handle
 
-__all__ = ["SparseHandle", "sparse_allreduce_async"]
+__all__ = ["SparseHandle", "sparse_allreduce_async", "start_sparse_allreduce"]
 
 _OPS = ("average", "sum")
 
@@ -91,13 +91,30 @@ def sparse_allreduce_async(tensor: torch.Tensor, name: str | None = None, op: st
     if op not in _OPS:
         raise invalid("op", op, "Average or Sum (a sparse tensor is reduced by allgather)")
     _claim(name, "sparse_allreduce")
-    comm = communicator(process_set)[0]
+    handle = start_sparse_allreduce(communicator(process_set)[0], tensor, name, op)
+    handle._indices = _named(handle._indices, name, "sparse_allreduce")
+    return handle
+
+
+def start_sparse_allreduce(comm: Communicator, tensor: torch.Tensor, name: str | None,
+                           op: str) -> SparseHandle:
+    """Start the three allgathers of a sparse COO ``tensor`` (its size, values and
+    indices) on ``comm``; no argument checks (:func:`sparse_allreduce_async` makes them).
+
+    Args:
+        comm: the communicator.
+        tensor: a sparse COO tensor.
+        name: the allgathers' name prefix, or None.
+        op: "average" or "sum".
+
+    Returns:
+        A :class:`SparseHandle`.
+    """
     indices = tensor._indices().t().contiguous()
     values = tensor._values().contiguous()
     shape = torch.tensor([list(tensor.shape)], dtype=torch.int64)
     sizes_handle = comm.allgather_async(shape, None if name is None else f"{name}.size")
     values_handle = comm.allgather_async(values, None if name is None else f"{name}.values")
     indices_handle = comm.allgather_async(indices, None if name is None else f"{name}.indices")
-    indices_handle = _named(indices_handle, name, "sparse_allreduce")
     return SparseHandle(tensor, sizes_handle, indices_handle, values_handle,
                         comm.size if op == "average" else 1)

@@ -244,29 +244,43 @@ def test_sparse_embedding_gradients_are_reduced_dense(comm):
 
 
 @pytest.mark.parametrize("passes", [1, 2])
-def test_sparse_gradients_come_back_sparse_for_sparse_adam(comm, passes):
-    """Horovod's test_sparse_embeddings: SparseAdam takes only sparse gradients. Reduced
-    dense, they come back sparse (rows, as the embedding made them), and the steps equal
-    one process's on the whole batch; Horovod's ``_parameter_names`` names every one."""
+@pytest.mark.parametrize("as_dense", [False, True], ids=["allgathered", "sparse_as_dense"])
+@pytest.mark.parametrize("kind", ["embedding", "mixed"])
+def test_sparse_gradients_come_back_sparse_for_sparse_adam(comm, passes, as_dense, kind):
+    """Horovod's test_sparse_embeddings: SparseAdam takes only sparse gradients. By
+    default their rows are allgathered (Horovod's sparse_as_dense=False): a row a rank
+    touched with a zero gradient still reaches SparseAdam, which moves it (its moments),
+    as one process's step does; with sparse_as_dense=True they are reduced dense and come
+    back sparse (rows, as the embedding made them; no zero rows in this data). Beside
+    dense gradients ("mixed", SGD) the reducer's buckets go on without the sparse one.
+    The steps equal one process's on the whole batch; Horovod's ``_parameter_names``
+    names every parameter."""
 
     def run(distributed: bool) -> torch.Tensor:
         torch.manual_seed(0)
-        m = torch.nn.Embedding(20, 4, sparse=True)
-        opt = torch.optim.SparseAdam(list(m.parameters()), lr=0.1)
+        emb = torch.nn.Embedding(20, 4, sparse=True)
+        m = emb if kind == "embedding" else torch.nn.Sequential(emb, torch.nn.Linear(4, 3))
+        opt = (torch.optim.SparseAdam(list(m.parameters()), lr=0.1) if kind == "embedding"
+               else torch.optim.SGD(m.parameters(), lr=0.1))
         if distributed:
-            opt = distributed_optimizer(opt, comm, backward_passes_per_step=passes)
-            assert list(opt._parameter_names.values()) == ["param.0"]
+            opt = distributed_optimizer(opt, comm, backward_passes_per_step=passes,
+                                        sparse_as_dense=as_dense)
+            assert list(opt._parameter_names.values())[0] == "param.0"
         g = torch.Generator().manual_seed(1)
-        for _ in range(3):
+        for step in range(3):
             for _ in range(passes):
                 xb = torch.randint(0, 20, (2 * comm.size, 3), generator=g)
-                coef = torch.randn(2 * comm.size, 3, 4, generator=g)
+                xb[0, 0] = 7  # on rank 0
+                coef = torch.randn(2 * comm.size, 3, 4 if kind == "embedding" else 3, generator=g)
+                if step > 0 and not as_dense:
+                    coef[xb == 7] = 0.0  # row 7: touched, with a zero gradient
                 if distributed:
                     xb, coef = xb[comm.rank :: comm.size], coef[comm.rank :: comm.size]
                 (m(xb) * coef).sum().div(xb.shape[0] * passes).backward()
             if distributed:
                 opt.synchronize()
-                assert m.weight.grad.is_sparse and m.weight.grad.sparse_dim() == 1
+                assert emb.weight.grad.is_sparse and emb.weight.grad.sparse_dim() == 1
+                assert opt._plait_apart == ({} if as_dense else {"param.0": 1})
                 with opt.skip_synchronize():
                     opt.step()
             else:
@@ -274,7 +288,7 @@ def test_sparse_gradients_come_back_sparse_for_sparse_adam(comm, passes):
             opt.zero_grad()
         if distributed:
             identical_on_all_ranks(comm, m)
-        return m.weight.detach().clone()
+        return torch.cat([p.detach().reshape(-1) for p in m.parameters()])
 
     torch.testing.assert_close(run(True), run(False), rtol=0, atol=1e-6)
 

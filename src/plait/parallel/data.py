@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -220,6 +220,26 @@ class GradientReducer:
                         for i, b in enumerate(plan_buckets(self._specs, mb * 2**20))]
         self._where = {s.name: b for b in self.buckets for s in b.specs}
         self._verified = False
+
+    def exclude(self, names: Iterable[str]) -> None:
+        """Reduce the gradients of ``names`` elsewhere from the next step on (a sparse
+        gradient that the caller allgathers): buckets are planned again without them,
+        and checked and tuned again. Call it between steps, on every rank alike.
+
+        Raises:
+            ConfigError: for a name this reducer does not have.
+        """
+        drop = set(names)
+        unknown = sorted(drop - {s.name for s in self._specs})
+        if unknown:
+            raise invalid("names", unknown, f"names of this reducer's gradients {self.names}")
+        self._specs = [s for s in self._specs if s.name not in drop]
+        self._tried, self._last = [], None
+        if self._tune_on and self.comm.size > 1:
+            self.tuner = BucketTuner()
+        self._plan(self.tuner.current if self.tuner is not None else self.bucket_mb)
+        if self.tuner is not None:
+            self._same_plan(self.tuner.current)
 
     @property
     def names(self) -> list[str]:

@@ -384,7 +384,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         gradient_predivide_factor: split the averaging before/after the sum.
         num_groups: deprecated form of ``groups``.
         groups: Horovod's explicit allreduce groups (validated only).
-        sparse_as_dense: plait reduces gradients dense (see the README).
+        sparse_as_dense: reduce sparse gradients dense (handed back sparse); by default
+            their rows are allgathered, as in Horovod.
         process_set: data-parallel sub-communicator (default: all ranks); on a rank
             outside a Horovod ``ProcessSet``, ``step()`` applies its own gradients, as in
             Horovod.
@@ -406,7 +407,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         optimizer, None if outside(process_set) else _F.comm(process_set), named,
         compression=compressor, memory=memory,
         backward_passes_per_step=backward_passes_per_step, op=op, bucket_mb=bucket_mb,
-        gradient_predivide_factor=gradient_predivide_factor)
+        gradient_predivide_factor=gradient_predivide_factor, sparse_as_dense=sparse_as_dense)
 
 
 #: ``hvd.elastic``: Horovod's elastic mode (``run``, the state objects), and the other
