@@ -400,6 +400,18 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op
         self._plait_reduced = tuple(reduced)  # see apply
         return list(zip(reduced, variables))
 
+    def get_gradients(self: Any, loss: Any, params: Any) -> list[Any]:
+        """Horovod's ``get_gradients``, for an optimizer class that has one (Keras 3's
+        have none): its gradients, reduced; ``apply_gradients`` of these very gradients
+        does not reduce them again. With ``backward_passes_per_step`` > 1 they are this
+        rank's own (``apply`` adds them up and reduces every Nth pass)."""
+        grads = list(base.get_gradients(self, loss, params))
+        if passes > 1:
+            return grads
+        reduced = reduce(self, grads, tf.nest.flatten(params))
+        self._plait_reduced = tuple(reduced)  # see apply
+        return reduced
+
     def build(self: Any, variables: Any) -> None:
         base.build(self, variables)
         if passes > 1:
@@ -439,7 +451,9 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op
         tf.cond(tf.equal(unwrap(self._plait_passes), passes), update, lambda: None)
         return None
 
-    cls: Any = type(base.__name__, (base,), {
-        "apply": apply, "build": build, "register_local_var": register_local_var,
-        "_compute_gradients": compute_reduced, "_plait_distributed": True})
+    members = {"apply": apply, "build": build, "register_local_var": register_local_var,
+               "_compute_gradients": compute_reduced, "_plait_distributed": True}
+    if hasattr(base, "get_gradients"):
+        members["get_gradients"] = get_gradients
+    cls: Any = type(base.__name__, (base,), members)
     return cls.from_config(optimizer.get_config())

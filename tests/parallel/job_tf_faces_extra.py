@@ -296,6 +296,33 @@ def test_partial_tape_bad_local_layers():
         hvd.PartialDistributedGradientTape(object(), local_layers=[])
 
 
+def test_keras_optimizer_get_gradients_reduces_once_as_horovod():
+    """An optimizer class with its own ``get_gradients`` (Horovod's process-set test's):
+    the distributed one returns them averaged, as Horovod's does, and applying them
+    does not average again; Keras 3's optimizers have none, nor does their wrapper."""
+    r, n = hvd.rank(), hvd.size()
+
+    class Own(keras.optimizers.Optimizer):
+        def __init__(self, learning_rate: float = 0.1, **kw: object) -> None:
+            super().__init__(learning_rate=learning_rate, **kw)  # type: ignore[arg-type]
+
+        def get_gradients(self, loss: object, params: object) -> list[tf.Tensor]:
+            return [tf.constant([float(r * r)])]
+
+        def update_step(self, gradient: tf.Tensor, variable: tf.Variable,
+                        learning_rate: object = None) -> None:
+            variable.assign_add(gradient)
+
+    opt = hk.DistributedOptimizer(Own())
+    v = tf.Variable([0.0])
+    mean = sum(k * k for k in range(n)) / n
+    (g,) = opt.get_gradients(None, [v])
+    _close(g, [mean])
+    opt.apply_gradients([(g, v)])
+    _close(v, [mean])
+    assert not hasattr(hk.DistributedOptimizer(keras.optimizers.SGD()), "get_gradients")
+
+
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "tf.function"])
 @pytest.mark.parametrize("scale", [True, False])
 def test_partial_keras_optimizer_keeps_local_layers_gradients_local(graph, scale):
