@@ -294,7 +294,8 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op
                                 backward_passes_per_step: int = 1,
                                 average_aggregated_gradients: bool = False,
                                 gradient_predivide_factor: float = 1.0,
-                                scale_local_gradients: bool = True) -> Any:
+                                scale_local_gradients: bool = True,
+                                sparse_as_dense: bool = False) -> Any:
     """A copy of a Keras 3 optimizer whose ``apply`` averages gradients first.
 
     Works with ``model.fit`` (which calls ``optimizer.apply`` inside a ``tf.function``)
@@ -333,6 +334,9 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op
         average_aggregated_gradients: divide the accumulated sum by the number of passes.
         gradient_predivide_factor: divide before the reduction, multiply after.
         scale_local_gradients: divide local variables' gradients by the number of ranks.
+        sparse_as_dense: reduce ``tf.IndexedSlices`` gradients (an embedding's) dense; by
+            default their rows are allgathered, as Horovod's optimizer does (see
+            :func:`reduce_gradients`; accumulated passes are dense).
 
     Returns:
         The distributed optimizer.
@@ -351,7 +355,8 @@ def distributed_keras_optimizer(optimizer: Any, comm: Communicator | None, *, op
     _check_predivide(gradient_predivide_factor)
     base = type(optimizer)
     kw = {"op": op, "compression": compression, "memory": memory, "bucket_mb": bucket_mb,
-          "gradient_predivide_factor": gradient_predivide_factor}
+          "gradient_predivide_factor": gradient_predivide_factor,
+          "sparse_as_dense": sparse_as_dense}
 
     def reduce(self: Any, grads: list[Any], variables: list[Any]) -> list[Any]:
         if comm is None:

@@ -130,6 +130,52 @@ def test_gradient_tape_reduces_an_embeddings_sparse_gradient(comm, graph, sparse
                                    rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("graph,sparse_as_dense", [(False, False), (True, False), (True, True)],
+                         ids=["eager-allgathered", "tf.function-allgathered", "tf.function-dense"])
+def test_keras_optimizer_reduces_an_embeddings_sparse_gradient(comm, graph, sparse_as_dense):
+    """The distributed Keras optimizer allgathers an embedding's tf.IndexedSlices gradient,
+    as Horovod's does (dense with sparse_as_dense): it gets the IndexedSlices, and Adam's
+    steps equal one process's on the whole batch either way."""
+    n, r = comm.size, comm.rank
+    tokens = tf.constant((np.arange(2 * n * 3).reshape(2 * n, 3) * 7) % 20, tf.int32)
+    labels = tf.constant(np.arange(2 * n) % 5)
+
+    def train(distributed: bool) -> np.ndarray:
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((3,), dtype="int32"), keras.layers.Embedding(20, 4),
+                              keras.layers.Flatten(), keras.layers.Dense(5)])
+        opt = keras.optimizers.Adam(0.05)
+        xb, yb = tokens, labels
+        if distributed:
+            opt = distributed_keras_optimizer(opt, comm, sparse_as_dense=sparse_as_dense)
+            xb, yb = tokens[r::n], labels[r::n]
+        seen = []
+        real = type(opt).__mro__[1].apply
+
+        def apply(self, grads, variables=None):
+            seen.append(isinstance(grads[0], tf.IndexedSlices))
+            return real(self, grads, variables)
+
+        type(opt).__mro__[1].apply = apply
+        try:
+            def step() -> None:
+                with tf.GradientTape() as tape:
+                    loss = LOSS(yb, m(xb))
+                grads = tape.gradient(loss, m.trainable_variables)
+                opt.apply_gradients(zip(grads, m.trainable_variables))
+
+            run = tf.function(step) if graph else step
+            for _ in range(2):
+                run()
+        finally:
+            type(opt).__mro__[1].apply = real
+        if distributed:
+            assert seen and seen[0] is not sparse_as_dense, seen
+        return flat(m)
+
+    np.testing.assert_allclose(train(True), train(False), rtol=0, atol=1e-6)
+
+
 def test_tf_function_checks_its_buckets_in_the_first_run_only(comm, monkeypatch):
     """On the MPI backend a traced tape's buckets start on the checked communicator in the
     first run only (later runs: a private unchecked copy, split in the second). The weights

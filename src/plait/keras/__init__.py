@@ -76,8 +76,9 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     the gradients across ranks first.
 
     The signature is Horovod 0.28's, plus plait's keyword-only ``bucket_mb`` and
-    ``memory``; an unknown keyword is a ``TypeError``. Gradients are always reduced
-    dense (``sparse_as_dense`` has no effect), ``name`` and the device arguments are
+    ``memory``; an unknown keyword is a ``TypeError``. A ``tf.IndexedSlices`` gradient
+    (an embedding's) is allgathered, as Horovod's is, or reduced dense with
+    ``sparse_as_dense=True``; ``name`` and the device arguments are
     accepted and have no effect, and ``groups`` / ``num_groups`` are validated but fusion
     follows ``bucket_mb``. Variables given to its ``register_local_var`` keep this rank's
     gradient (see :func:`PartialDistributedOptimizer`).
@@ -88,7 +89,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         device_dense: no effect.
         device_sparse: no effect.
         compression: ``Compression.none``/``fp16``/``bf16`` or any plait compressor.
-        sparse_as_dense: no effect (always dense).
+        sparse_as_dense: reduce ``tf.IndexedSlices`` gradients dense (default: allgathered).
         gradient_predivide_factor: divide before the sum, multiply after.
         op: Average (default) or Sum.
         backward_passes_per_step: local passes accumulated per reduction and update.
@@ -119,7 +120,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         memory=memory, backward_passes_per_step=backward_passes_per_step,
         average_aggregated_gradients=average_aggregated_gradients,
         gradient_predivide_factor=gradient_predivide_factor,
-        scale_local_gradients=scale_local_gradients)
+        scale_local_gradients=scale_local_gradients, sparse_as_dense=sparse_as_dense)
 
 
 def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
@@ -141,7 +142,7 @@ def PartialDistributedOptimizer(  # noqa: N802 - Horovod's name
         device_dense: no effect.
         device_sparse: no effect.
         compression: as :func:`DistributedOptimizer`.
-        sparse_as_dense: no effect (always dense).
+        sparse_as_dense: reduce ``tf.IndexedSlices`` gradients dense (default: allgathered).
         gradient_predivide_factor: divide before the sum, multiply after.
         op: Average (default) or Sum.
         backward_passes_per_step: local passes accumulated per reduction and update.

@@ -673,7 +673,8 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         device_dense: no effect.
         device_sparse: no effect.
         compression: ``Compression.none``/``fp16``/``bf16`` or any plait compressor.
-        sparse_as_dense: no effect (always dense).
+        sparse_as_dense: for Keras, reduce ``tf.IndexedSlices`` gradients dense (default:
+            allgathered, as Horovod); no effect for TF1.
         backward_passes_per_step: local passes accumulated per reduction and update.
         op: Average (default) or Sum.
         gradient_predivide_factor: divide before the sum, multiply after.
