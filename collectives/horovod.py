@@ -298,24 +298,35 @@ class HorovodCommunicator(HorovodOps):
 
     def reducescatter(self, tensor: Tensor, op: str = "average", name: str | None = None) -> Tensor:
         """Reduce over ranks and keep this rank's part of the first dimension."""
+        return self.reducescatter_async(tensor, op, name).wait()
+
+    def reducescatter_async(self, tensor: Tensor, op: str = "average",
+                            name: str | None = None) -> Handle:
+        """:meth:`reducescatter`, started; the handle's ``wait()`` gives this rank's part.
+
+        Raises:
+            NotImplementedError: for op "adasum", as Horovod (a ``RuntimeError``).
+            ConfigError: for min, max or product (Horovod 0.28 has sum and average only).
+        """
         ops = self._ops(tensor, "reducescatter")
         dtype = ops.dtype_name(tensor)
         self._validate_op(op, dtype)
+        if op == "adasum":
+            raise NotImplementedError("reducescatter with op='adasum': Horovod has none")
         if op not in ("sum", "average"):
             raise invalid("op", op, "'sum' or 'average' for reducescatter on the horovod backend")
         if self._host_graph(ops, tensor):
             return (self._graph(ops, tensor, lambda a: self.reducescatter(a, op, name), False)
-                    or Done(None)).wait()
+                    or Done(None))
         shape = ops.shape(tensor)
         if not shape:
             raise invalid("tensor", "a 0-d tensor", "a tensor with at least one dimension")
         call = Call("reducescatter", shape, dtype, op=op, name=name)
         carry = _CARRY_REDUCE.get(dtype)
         t = self._native(ops, tensor, carry)
-        out = self._start("reducescatter", call, lambda r: r, t,
-                          name=self._name("reducescatter", name), op=self._ops_map[op],
-                          process_set=self._set).wait()
-        return self._back(ops, out, tensor, dtype, carry)
+        return self._start("reducescatter", call, lambda r: self._back(ops, r, tensor, dtype, carry),
+                           t, name=self._name("reducescatter", name), op=self._ops_map[op],
+                           process_set=self._set)
 
     def barrier(self) -> None:
         """Wait until every rank of the group arrived.

@@ -629,6 +629,9 @@ class MPICommunicator(MPIHeader):
         ops = self._ops(tensor, "reducescatter")
         dtype = ops.dtype_name(tensor)
         self._validate_op(op, dtype)
+        if op == "adasum":
+            raise NotImplementedError("reducescatter with op='adasum': Horovod has none either "
+                                      "(sum, average, min, max and product reduce-scatter here)")
         graph = self._graph(ops, tensor, lambda a: self.reducescatter(a, op, name),
                             same_shape=False)
         if graph is not None:

@@ -445,6 +445,12 @@ class ObservedCommunicator:
         rec = self._begin("reducescatter", tensor, name, op=op)
         return self._sync(rec, lambda: self._inner.reducescatter(tensor, op, name))
 
+    def reducescatter_async(self, tensor: Tensor, op: str = "average",
+                            name: str | None = None) -> Handle:
+        rec = self._begin("reducescatter", tensor, name, op=op)
+        return self._async(rec, lambda: self._inner.reducescatter_async(  # type: ignore[attr-defined]
+            tensor, op, name))
+
     def barrier(self) -> None:
         rec = self._begin("barrier", None, None)
         self._sync(rec, self._inner.barrier)

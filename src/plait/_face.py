@@ -623,11 +623,23 @@ class Face:
                             process_set: Any = None, prescale_factor: float = 1.0,
                             postscale_factor: float = 1.0) -> Handle:
         """Reduce over the ranks and keep this rank's rows; Horovod's rule gives the first
-        ``rows % size`` ranks one extra row. plait runs it at call time."""
+        ``rows % size`` ranks one extra row.
+
+        Raises:
+            NotImplementedError: for ``Adasum`` (a ``RuntimeError``, as Horovod's error).
+        """
+        if op == Adasum:
+            raise NotImplementedError("reducescatter supports Average and Sum (and, on the MPI "
+                                      "backend, Min, Max and Product), not Adasum, as in Horovod")
         _claim(name, "reducescatter")
-        out = self.comm(process_set).reducescatter(  # type: ignore[attr-defined]
-            scale(tensor, prescale_factor), op, name)
-        return Done(scale(out, postscale_factor))
+        comm = self.comm(process_set)
+        start = getattr(comm, "reducescatter_async", None)
+        t = scale(tensor, prescale_factor)
+        handle = (start(t, op, name) if start is not None
+                  else Done(comm.reducescatter(t, op, name)))  # type: ignore[attr-defined]
+        if postscale_factor != 1.0:
+            handle = MappedHandle(handle, lambda out: scale(out, postscale_factor))
+        return _named(handle, name, "reducescatter")
 
     def reducescatter(self, tensor: Any, name: str | None = None, op: str = Average,
                       process_set: Any = None, prescale_factor: float = 1.0,

@@ -545,6 +545,14 @@ def _autograd_grads(lib) -> dict[str, list[float]]:
     w = torch.ones(2 * n, requires_grad=True)
     lib.reducescatter(w * 1, op=lib.Sum).mul(r + 1).sum().backward()
     grads["reducescatter"] = w.grad.tolist()
+    a, b = torch.ones(r + 1, requires_grad=True), torch.ones(1, requires_grad=True)
+    outs = lib.grouped_allgather([a * 1, b * 1])
+    (outs[0].mul(r + 1).sum() + outs[1].mul(r + 1).sum()).backward()
+    grads["grouped_allgather"] = a.grad.tolist() + b.grad.tolist()
+    a, b = torch.ones(2 * n, requires_grad=True), torch.ones(n, requires_grad=True)
+    outs = lib.grouped_reducescatter([a * 1, b * 1], op=lib.Sum)
+    (outs[0].mul(r + 1).sum() + outs[1].mul(r + 1).sum()).backward()
+    grads["grouped_reducescatter"] = a.grad.tolist() + b.grad.tolist()
     return grads
 
 
@@ -559,6 +567,9 @@ def test_torch_collectives_are_differentiable_as_in_horovod():
         "alltoall_even": [float(q + 1) for q in range(n) for _ in range(r + 1)],
         "grouped_allreduce": [n * (n + 1) / 2] * 3,
         "reducescatter": [float(n * (q + 1)) for q in range(n) for _ in (0, 1)],
+        "grouped_allgather": [mean] * (r + 2),
+        "grouped_reducescatter": [float(n * (q + 1)) for q in range(n) for _ in (0, 1)]
+        + [float(n * (q + 1)) for q in range(n)],
     }
     assert _autograd_grads(hvd) == expected
     if hvd.backend() == "horovod":  # real horovod.torch gives the same gradients
@@ -704,6 +715,14 @@ def test_grouped_forms_and_scale_factors():
     assert torch.equal(parts[1], parts[0] * 2)
     h = hvd.reducescatter_async(rows, op=hvd.Sum, prescale_factor=2.0, postscale_factor=0.5)
     assert torch.equal(hvd.synchronize(h), parts[0])
+    big = torch.ones(4096 * n, 64)  # started, not yet done: Horovod's test polls False once
+    handles = [hvd.reducescatter_async(big, name=f"rs.poll.{i}") for i in range(4)]
+    done_at_once = [hvd.poll(h) for h in handles]
+    assert all(torch.equal(hvd.synchronize(h), torch.ones(4096, 64)) for h in handles)
+    assert not all(done_at_once), done_at_once
+    for backend_op in (hvd.Adasum,):  # Horovod's HorovodInternalError is a RuntimeError too
+        with pytest.raises(NotImplementedError, match="reducescatter"):
+            hvd.reducescatter(rows, op=backend_op)
     ts = [torch.ones(2), torch.full((1,), float(r))]
     assert hvd.grouped_allreduce_(ts, op=hvd.Sum) == ts
     assert torch.equal(ts[0], torch.full((2,), float(n)))

@@ -66,7 +66,6 @@ mpi_enabled, gloo_enabled = _F.mpi_enabled, _F.gloo_enabled
 join, start_timeline, stop_timeline = _F.join, _F.start_timeline, _F.stop_timeline
 allreduce_async = _F.allreduce_async
 allgather_async, broadcast_async = _F.allgather_async, _F.broadcast_async
-grouped_allgather, grouped_reducescatter = _F.grouped_allgather, _F.grouped_reducescatter
 alltoall_async, barrier = _F.alltoall_async, _F.barrier
 reducescatter_async = _F.reducescatter_async
 poll, synchronize = _F.poll, _F.synchronize
@@ -193,6 +192,57 @@ def reducescatter(tensor: Any, name: str | None = None, op: str = Average,
     return collective_function(forward, backward)(tensor)
 
 
+def grouped_allgather(tensors: Any, name: str | None = None, process_set: Any = None) -> list[Any]:
+    """:func:`allgather` of several tensors, started together. Differentiable as Horovod's
+    (``HorovodGroupedAllgather``): each gradient is this rank's rows of the averaged
+    upstream gradient.
+
+    Returns:
+        One gathered tensor per input.
+    """
+    tensors = list(tensors)
+    if not any(getattr(t, "requires_grad", False) for t in tensors):
+        return _F.grouped_allgather(tensors, name, process_set)
+    comm = _F.comm(process_set)
+    rows = [int(t.shape[0]) if t.dim() else 0 for t in tensors]
+
+    def backward(gs: list[Any]) -> list[Any]:
+        before = [sum(r[i] for r in comm.allgather_object(rows)[: comm.rank])
+                  for i in range(len(rows))]
+        averaged = comm.grouped_allreduce(gs, Average)
+        return [g[at : at + n] for g, at, n in zip(averaged, before, rows)]
+
+    return list(grouped_collective_function(
+        lambda ts: _F.grouped_allgather(ts, name, process_set), backward)(*tensors))
+
+
+def grouped_reducescatter(tensors: Any, name: str | None = None, op: str = Average,
+                          process_set: Any = None, prescale_factor: float = 1.0,
+                          postscale_factor: float = 1.0) -> list[Any]:
+    """:func:`reducescatter` of several tensors. Differentiable as Horovod's
+    (``HorovodGroupedReducescatter``): the scaled upstream gradients are allgathered.
+
+    Returns:
+        One reduced part per input.
+    """
+    tensors = list(tensors)
+
+    def forward(ts: list[Any]) -> list[Any]:
+        return _F.grouped_reducescatter(ts, name, op, process_set, prescale_factor,
+                                        postscale_factor)
+
+    if not any(getattr(t, "requires_grad", False) for t in tensors):
+        return forward(tensors)
+    comm = _F.comm(process_set)
+    factor = (comm.size if op == Sum else 1) * prescale_factor * postscale_factor
+
+    def backward(gs: list[Any]) -> list[Any]:
+        handles = [comm.allgather_async(g * factor if factor != 1 else g) for g in gs]
+        return [h.wait() for h in handles]
+
+    return list(grouped_collective_function(forward, backward)(*tensors))
+
+
 def allreduce_(tensor: Any, average: bool | None = None, name: str | None = None,
                op: str | None = None, prescale_factor: float = 1.0, postscale_factor: float = 1.0,
                process_set: Any = None) -> Any:
@@ -288,15 +338,15 @@ def grouped_allreduce_async_(tensors: Any, average: bool | None = None, name: st
 
 def grouped_allgather_async(tensors: Any, name: str | None = None, process_set: Any = None) -> Any:
     """:func:`grouped_allgather` as a handle (plait runs it at the call)."""
-    return Done(_F.grouped_allgather(tensors, name, process_set))
+    return Done(grouped_allgather(tensors, name, process_set))
 
 
 def grouped_reducescatter_async(tensors: Any, name: str | None = None, op: str = Average,
                                 process_set: Any = None, prescale_factor: float = 1.0,
                                 postscale_factor: float = 1.0) -> Any:
     """:func:`grouped_reducescatter` as a handle (plait runs it at the call)."""
-    return Done(_F.grouped_reducescatter(tensors, name, op, process_set, prescale_factor,
-                                         postscale_factor))
+    return Done(grouped_reducescatter(tensors, name, op, process_set, prescale_factor,
+                                      postscale_factor))
 
 
 def broadcast_parameters(params: Any, root_rank: int = 0, process_set: Any = None) -> None:
