@@ -131,7 +131,7 @@ def test_gradient_tape_reduces_an_embeddings_sparse_gradient(comm, graph, sparse
 
 
 @pytest.mark.parametrize("graph,sparse_as_dense", [(False, False), (True, False), (True, True)],
-                         ids=["eager-allgathered", "tf.function-allgathered", "tf.function-dense"])
+                         ids=["eager-allgathered", "traced-allgathered", "traced-dense"])
 def test_keras_optimizer_reduces_an_embeddings_sparse_gradient(comm, graph, sparse_as_dense):
     """The distributed Keras optimizer allgathers an embedding's tf.IndexedSlices gradient,
     as Horovod's does (dense with sparse_as_dense): it gets the IndexedSlices, and Adam's
