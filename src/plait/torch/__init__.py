@@ -207,8 +207,8 @@ def grouped_allgather(tensors: Any, name: str | None = None, process_set: Any = 
     rows = [int(t.shape[0]) if t.dim() else 0 for t in tensors]
 
     def backward(gs: list[Any]) -> list[Any]:
-        before = [sum(r[i] for r in comm.allgather_object(rows)[: comm.rank])
-                  for i in range(len(rows))]
+        earlier = comm.allgather_object(rows)[: comm.rank]  # the ranks before this one
+        before = [sum(r[i] for r in earlier) for i in range(len(rows))]
         averaged = comm.grouped_allreduce(gs, Average)
         return [g[at : at + n] for g, at, n in zip(averaged, before, rows)]
 
