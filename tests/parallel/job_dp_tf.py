@@ -150,13 +150,13 @@ def test_keras_optimizer_reduces_an_embeddings_sparse_gradient(comm, graph, spar
             opt = distributed_keras_optimizer(opt, comm, sparse_as_dense=sparse_as_dense)
             xb, yb = tokens[r::n], labels[r::n]
         seen = []
-        real = type(opt).__mro__[1].apply
+        real = keras.optimizers.Adam.apply  # what the distributed one applies with
 
         def apply(self, grads, variables=None):
             seen.append(isinstance(grads[0], tf.IndexedSlices))
             return real(self, grads, variables)
 
-        type(opt).__mro__[1].apply = apply
+        keras.optimizers.Adam.apply = apply
         try:
             def step() -> None:
                 with tf.GradientTape() as tape:
@@ -168,7 +168,7 @@ def test_keras_optimizer_reduces_an_embeddings_sparse_gradient(comm, graph, spar
             for _ in range(2):
                 run()
         finally:
-            type(opt).__mro__[1].apply = real
+            keras.optimizers.Adam.apply = real
         if distributed:
             assert seen and seen[0] is not sparse_as_dense, seen
         return flat(m)

@@ -217,8 +217,9 @@ def test_bad_arguments(comm):
         distributed_optimizer(torch.optim.SGD(m.parameters(), lr=0.1), comm, [("only", m[0].weight)])
 
 
-def test_sparse_embedding_gradients_are_reduced_dense(comm):
-    """Embedding(sparse=True) gives sparse gradients: reduced dense, the same as one process."""
+def test_sparse_embedding_gradients_beside_dense_ones_equal_one_process(comm):
+    """Embedding(sparse=True) gives sparse gradients: allgathered (the default), beside the
+    dense layer's in buckets, the steps are the same as one process's."""
 
     def run(distributed: bool) -> torch.Tensor:
         torch.manual_seed(0)
