@@ -18,7 +18,7 @@ message size, the dtype and the host layout, overridable by environment variable
   takes the ring where allreduce would be hierarchical.
 
 ``PLAIT_RING_CHUNK_KB`` is the ring's pipelining grain (default 256 KiB),
-``PLAIT_RING_WINDOW`` the chunks whose first step is in flight at once (default 8);
+``PLAIT_RING_WINDOW`` the chunks whose first step is in flight at once (default 4);
 ``PLAIT_RING_MIN_KB`` the smallest message that takes the ring across hosts
 (default 64 KiB). ``PLAIT_ALLGATHER`` (``auto``/``ring``/``mpi``) does the same for
 allgather and broadcast (a broadcast's ring is a pipelined relay from the root).
@@ -111,7 +111,7 @@ class Tuning:
     allgather: str = "auto"
     chunk_bytes: int = 256 * 1024
     ring_min_bytes: int = 64 * 1024
-    window: int = 8
+    window: int = 4
     blocking: str = "auto"
     progress: str = "auto"
 
@@ -132,7 +132,7 @@ class Tuning:
         return cls(allreduce,
                    _choice(env, "PLAIT_ALLGATHER", ("auto", "ring", "mpi")),
                    _kib(env, "PLAIT_RING_CHUNK_KB", 256), _kib(env, "PLAIT_RING_MIN_KB", 64),
-                   _count(env, "PLAIT_RING_WINDOW", 8),
+                   _count(env, "PLAIT_RING_WINDOW", 4),
                    _choice(env, "PLAIT_BLOCKING", ("auto", "never")),
                    _choice(env, "PLAIT_PROGRESS", ("auto", "always")))
 
