@@ -151,16 +151,32 @@ def raw_step(comm: Any, actions: Any, shape: tuple[int, int], f: float = 0.0) ->
     return time.perf_counter() - start, busy
 
 
-def raw_bubble(comm: Any, actions: Any, shape: tuple[int, int], f: float, steps: int) -> float:
-    """Median bubble (as the runtime's: 1 - sum(busy) / (P x makespan)) of :func:`raw_step`
-    with stages that sleep ``f`` per forward, over ``steps`` steps after one warm-up."""
-    p, bubbles = comm.Get_size(), []
+def raw_bubble(comm: Any, actions: Any, shape: tuple[int, int], f: float,
+               steps: int) -> tuple[float, float]:
+    """Median bubble (as the runtime's: 1 - sum(busy) / (P x makespan)) and median makespan
+    (the slowest rank's step seconds) of :func:`raw_step` with stages that sleep ``f`` per
+    forward, over ``steps`` steps after one warm-up."""
+    p, bubbles, spans = comm.Get_size(), [], []
     for it in range(steps + 1):
         wall, busy = raw_step(comm, actions, shape, f)
         everyone = comm.allgather((wall, busy))
         if it:
-            bubbles.append(1 - sum(b for _, b in everyone) / (p * max(w for w, _ in everyone)))
-    return statistics.median(bubbles)
+            spans.append(max(w for w, _ in everyone))
+            bubbles.append(1 - sum(b for _, b in everyone) / (p * spans[-1]))
+    return statistics.median(bubbles), statistics.median(spans)
+
+
+def tight_sleeps() -> None:
+    """Make this thread's sleeps end on time: Linux lets a sleep overshoot by the thread's
+    timer slack (50 µs by default, ~0.1 ms measured per sleep on this VM); set it to 1 ns
+    (``prctl(PR_SET_TIMERSLACK)``), so the sleeping stages stand for compute of their length.
+    Nothing happens where prctl is missing."""
+    import ctypes
+
+    try:
+        ctypes.CDLL(None).prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK = 29
+    except (AttributeError, OSError):
+        pass
 
 
 def floors(rt: Any, actions: Any, inputs: Any, m: int, shape: tuple[int, int],
@@ -258,7 +274,7 @@ def sleeping(world: Any, grid: list[int], steps: int, total: float) -> list[dict
                     samples.append((1 - sum(e[1] for e in everyone) / (p * max(e[0] for e in everyone)),
                                     everyone))
             ours, raw = floors(rt, actions, inputs, m, shape, steps)
-            raw_b = raw_bubble(comm.comm, actions, shape, f, steps)
+            raw_b, raw_span = raw_bubble(comm.comm, actions, shape, f, steps)
             rt.close()
             bubble, everyone = sorted(samples, key=lambda b: b[0])[len(samples) // 2]
             rows.append({"schedule": schedule, "microbatches": m, "total_s": total,
@@ -266,6 +282,9 @@ def sleeping(world: Any, grid: list[int], steps: int, total: float) -> list[dict
                          "bubble_theory": theory(schedule, p, m, v),
                          "no_compute_s": ours, "no_compute_raw_mpi_s": raw,
                          "bubble_raw_mpi": raw_b,
+                         "makespan_s": statistics.median(max(e[0] for e in ev) for _, ev in samples),
+                         "makespan_raw_mpi_s": raw_span,
+                         "makespan_ideal_s": total / (1 - theory(schedule, p, m, v)),
                          "per_rank": [{"compute_s": e[1], "send_s": e[2], "wait_s": e[3],
                                        "other_s": e[0] - e[1] - e[2] - e[3]} for e in everyone]})
     return rows
@@ -278,6 +297,7 @@ def worker(args: Any) -> None:
     from plait.parallel.pipeline import Pipeline, get_schedule, simulate
 
     torch.set_num_threads(1)
+    tight_sleeps()
     world = plait.init("mpi")
     p = world.size
     mem = world.allgather_object(memory(world, 512 if args.smoke else 2048, 2 if args.smoke else 8))
@@ -368,12 +388,15 @@ def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int,
                     for q in r["per_rank"])] for r in rows])
     sleep_table = md_table(
         ["compute ms", "schedule", "M", "step ms", "bubble measured", "bubble theory", "measured / theory",
-         "raw mpi4py / theory", "theory's idle ms", "no compute ms: runtime / raw mpi4py",
+         "raw mpi4py / theory", "makespan ms: runtime / raw mpi4py / ideal", "theory's idle ms",
+         "no compute ms: runtime / raw mpi4py",
          "compute / send / wait / other ms per rank"],
         [[f"{1e3 * r['total_s']:.0f}", r["schedule"], r["microbatches"], f"{1e3 * r['step_s']:.1f}",
           f"{r['bubble_measured']:.3f}",
           f"{r['bubble_theory']:.3f}", f"{r['bubble_measured'] / r['bubble_theory']:.2f}",
-          f"{r['bubble_raw_mpi'] / r['bubble_theory']:.2f}", f"{1e3 * idle(r):.2f}",
+          f"{r['bubble_raw_mpi'] / r['bubble_theory']:.2f}",
+          f"{1e3 * r['makespan_s']:.1f} / {1e3 * r['makespan_raw_mpi_s']:.1f} / "
+          f"{1e3 * r['makespan_ideal_s']:.1f}", f"{1e3 * idle(r):.2f}",
           f"{1e3 * r['no_compute_s']:.2f} / {1e3 * r['no_compute_raw_mpi_s']:.2f}",
           "; ".join(f"{1e3 * q['compute_s']:.1f} / {1e3 * q['send_s']:.1f} / {1e3 * q['wait_s']:.1f} / "
                     f"{1e3 * q['other_s']:.1f}" for q in r["per_rank"])] for r in sleep_rows])
@@ -392,16 +415,21 @@ def write(rows: list[dict[str, Any]], args: Any, width: int, layers: int,
         f"{mem_table}\n\n## The runtime alone: stages that sleep\n\nThe same schedules driving stages "
         f"whose forward and backward sleep (compute ms: forward + backward per rank and step, "
         f"split over the micro-batches; activations of the same "
-        f"shapes travel). The bubble is measured as above, from the runtime's timers (a sleep's "
-        f"overshoot, about 0.1 ms on this VM, counts as compute); beyond theory it is the runtime's "
-        f"and the messages' cost plus the wake-up latency, whatever CPU the compute would get. "
+        f"shapes travel; the ranks' timer slack is set to 1 ns so that a sleep ends on time). The "
+        f"bubble is measured as above, from the runtime's timers (a sleep's overshoot, about 30 µs "
+        f"on this VM with that slack, 0.1 ms without, counts as compute); beyond theory it is the "
+        f"runtime's and the messages' cost plus the wake-up latency, whatever CPU the compute would "
+        f"get. "
         f"Other = the runtime's own bookkeeping (posting receives, reaping sends). Theory's idle = the "
         f"time each rank idles per step in theory; no compute = the same schedule with stages that "
         f"return at once, through the runtime and with raw mpi4py (each message posted when its "
         f"action comes, receives polled): what the messages alone cost a step. Within 1.15x of "
         f"theory, a step may spend 0.15 x theory's idle on them. Raw mpi4py / theory: the same "
         f"sleeping stages and schedule without plait (raw mpi4py messages as in no compute, the "
-        f"sleeps timed as compute): the bubble this machine gives any runtime.\n\n{sleep_table}\n\n"
+        f"sleeps timed as compute): the bubble this machine gives any runtime. Each side's busy is "
+        f"what it timed as compute (raw mpi4py's includes testing its sends between a stage's "
+        f"layers), so the makespans (median of the slowest rank's step) compare the two on the same "
+        f"clock: ideal = compute / (1 - theory's bubble).\n\n{sleep_table}\n\n"
         f"## One message after a stage's compute\n\nRank 0 receives a 32 KiB message that rank 1 "
         f"sent while rank 0 computed (spun in Python) for the given time: median µs from posting "
         f"the receive to its end, raw mpi4py (`Irecv` + `Wait`) and plait's communicator "
