@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Iterable
 from typing import Any
 
-from plait.adapters import torch_optim
+from plait.adapters import torch_adasum, torch_optim
 from plait.adapters.torch import collective_function, grouped_collective_function
 from plait.adapters.torch_sparse import sparse_allreduce_async
 from plait.adapters.torch_syncbn import SyncBatchNorm
@@ -33,6 +33,7 @@ from .._face import (
 )
 from .._face import _claim as claim_name
 from .._face_compression import Compression, Compressor
+from .._face_compression import _Horovodish as HorovodStyle
 from .._process_sets import ProcessSet, add_process_set, global_process_set, outside, remove_process_set
 from ..errors import HorovodInternalError, invalid
 
@@ -430,7 +431,10 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         named_parameters: ``model.named_parameters()``.
         compression: ``Compression.none``/``fp16``/``bf16`` or any plait compressor.
         backward_passes_per_step: local backward passes accumulated per step.
-        op: Average (default), Sum or Adasum (Horovod backend).
+        op: Average (default), Sum or Adasum. With Adasum on more than one rank, as in
+            Horovod, each rank steps the wrapped optimizer on its own gradients and the
+            ranks combine the parameters' changes with Adasum
+            (:mod:`plait.adapters.torch_adasum`).
         gradient_predivide_factor: split the averaging before/after the sum.
         num_groups: deprecated form of ``groups``.
         groups: Horovod's explicit allreduce groups (validated only).
@@ -448,11 +452,32 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
 
     Raises:
         ConfigError: for bad passes, factor or groups, a memory without a compressor, or
-            bad ``named_parameters`` (checked first: no ``hvd.init()`` needed, as in Horovod).
+            bad ``named_parameters`` (checked first: no ``hvd.init()`` needed, as in Horovod);
+            a ``gradient_predivide_factor`` other than 1 with an op other than Average, or
+            Adasum with a lossy compressor or a memory.
+        NotImplementedError: Adasum with a process set other than every rank (Horovod's error).
     """
     named = _checked_names(optimizer, named_parameters)
     check_groups(groups, num_groups)
+    if gradient_predivide_factor != 1.0 and op != Average:
+        raise invalid("gradient_predivide_factor", gradient_predivide_factor,
+                      f"1.0 with op={op!r} (it splits an Average only)")
     compressor, memory = gradient_compression(compression, memory)
+    if op == Adasum and _F.comm(None).size > 1:
+        if process_set is not None and process_set is not global_process_set:
+            raise NotImplementedError("Adasum does not support non-global process sets yet.")
+        if memory is not None:
+            raise invalid("memory", memory, "None with op=Adasum (no error feedback)")
+        if compressor is not None and not (getattr(compressor, "elementwise", False)
+                                           or isinstance(compressor, HorovodStyle)):
+            raise invalid("compression", compressor, "none, fp16, bf16 or a Horovod-style "
+                          "compressor with op=Adasum")
+        if named is None:
+            named = [(f"allreduce.noname.{i}", p) for g in optimizer.param_groups
+                     for i, p in enumerate(g["params"])]
+        return torch_adasum.adasum_optimizer(
+            optimizer, _F.comm(None), [(n, p) for n, p in named if p.requires_grad],
+            compression=compressor, backward_passes_per_step=backward_passes_per_step)
     return torch_optim.distributed_optimizer(
         optimizer, None if outside(process_set) else _F.comm(process_set), named,
         compression=compressor, memory=memory,
