@@ -26,7 +26,9 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
     """At the start of training, copy ``root_rank``'s model and optimizer variables to all ranks.
 
     The optimizer is built first if needed, so its slots are broadcast before the
-    first step rather than after it.
+    first step rather than after it. A model not built yet (a ``Sequential`` without an
+    input shape: its first batch creates its variables) is broadcast at the end of the
+    first batch instead, as Horovod's callback does.
 
     Args:
         root_rank: the rank whose values every rank gets.
@@ -52,8 +54,21 @@ class BroadcastGlobalVariablesCallback(keras.callbacks.Callback):
             if not isinstance(v, (tf.Variable, keras.Variable)):
                 raise invalid("local_variables", f"a list holding a {type(v).__name__}", valid)
         self._local = {_key(v) for v in local}
+        self._pending = False  # the model was not built at train begin: broadcast after batch 1
 
     def on_train_begin(self, logs: Any = None) -> None:
+        model: Any = self.model
+        self._pending = not getattr(model, "built", True) or not model.variables
+        if not self._pending:  # else the first batch builds the model (a Sequential without
+            self._broadcast()  # an input shape): broadcast after it, as Horovod always does
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self._pending:
+            self._pending = False
+            self._broadcast()
+
+    def _broadcast(self) -> None:
+        """Broadcast the model's and its optimizer's variables (building the optimizer first)."""
         model: Any = self.model
         optimizer = model.optimizer
         if optimizer is not None and not optimizer.built:

@@ -284,6 +284,28 @@ def test_keras_face_gradient_accumulation_in_fit():
     assert not np.array_equal(seen[2], seen[3])
 
 
+def test_keras_broadcast_callback_on_a_model_built_by_its_first_batch():
+    """A Sequential without an input shape has no variables until its first batch: the
+    callback broadcasts after that batch, as Horovod's (it built the optimizer on no
+    variables, and the first step raised "Unknown variable")."""
+    keras.utils.set_random_seed(hk.rank())
+    model = keras.Sequential([keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(2)])
+    model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
+    x = np.random.default_rng(hk.rank()).normal(size=(12, 4)).astype(np.float32)
+    seen = []
+
+    class Check(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            flat = np.concatenate([w.ravel() for w in self.model.get_weights()])
+            _same_everywhere(flat)
+            seen.append(flat)
+
+    model.fit(x, x[:, :2], batch_size=4, epochs=1, verbose=0, shuffle=False,
+              callbacks=[hk.callbacks.BroadcastGlobalVariablesCallback(0), Check()])
+    assert len(seen) == 3
+    _same_everywhere(np.concatenate([np.ravel(v) for v in model.optimizer.variables]))
+
+
 def _torch_run(compression, memory, steps: int = 4) -> np.ndarray:
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
