@@ -25,10 +25,10 @@ import torch
 from plait.errors import invalid
 from plait.protocols import Communicator
 
-__all__ = ["adasum_optimizer"]
+__all__ = ["AdasumDelta", "adasum_optimizer"]
 
 
-class _DeltaAdasum:
+class AdasumDelta:
     """Mixin placed before the user's optimizer class (Horovod's ``_DistributedAdasumOptimizer``)."""
 
     _plait_comm: Communicator
@@ -156,7 +156,7 @@ def adasum_optimizer(optimizer: torch.optim.Optimizer, comm: Communicator,
     """
     if not isinstance(backward_passes_per_step, int) or backward_passes_per_step < 1:
         raise invalid("backward_passes_per_step", backward_passes_per_step, "an integer >= 1")
-    cls: Any = type(type(optimizer).__name__, (_DeltaAdasum, type(optimizer)), {})
+    cls: Any = type(type(optimizer).__name__, (AdasumDelta, type(optimizer)), {})
     dist: Any = cls.__new__(cls)
     dist.__dict__.update(optimizer.__dict__)
     dist._plait_comm = comm

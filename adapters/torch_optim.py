@@ -24,6 +24,7 @@ from plait.parallel.data import Bucket, GradientReducer, GradSpec
 from plait.protocols import Communicator
 
 from .torch import OPS, pooled_empty
+from .torch_adasum import AdasumDelta
 
 __all__ = ["broadcast_optimizer_state", "broadcast_parameters", "distributed_optimizer",
            "initialize_optimizer_state"]
@@ -404,6 +405,9 @@ def initialize_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
                 p.grad = torch.zeros_like(p)
                 if isinstance(optimizer, torch.optim.SparseAdam):
                     p.grad = p.grad.to_sparse()
+    if isinstance(optimizer, AdasumDelta):  # Horovod steps its Adasum optimizer's base class
+        super(AdasumDelta, optimizer).step()  # type: ignore[misc]
+        return
     skip = optimizer.skip_synchronize() if isinstance(optimizer, _Distributed) else None
     with skip if skip is not None else contextlib.nullcontext():
         optimizer.step()

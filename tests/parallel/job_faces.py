@@ -1014,7 +1014,8 @@ def test_adasum_as_horovods():
 def _adasum_reference(passes: int, steps: int, ranks: int) -> list[torch.Tensor]:
     """Horovod's Adasum optimizer worked out in one process: every rank's replica steps its own
     SGD (momentum, weight decay: per-rank state) on its own batches, the replicas' parameter
-    changes are combined by Adasum's pairwise tree, and every replica moves by the result."""
+    changes are combined by Adasum's pairwise tree, and every replica moves by the result
+    (after the local step with zero gradients of broadcast_optimizer_state)."""
     from plait.collectives.adasum import adasum
 
     replicas, opts = [], []
@@ -1023,6 +1024,11 @@ def _adasum_reference(passes: int, steps: int, ranks: int) -> list[torch.Tensor]
         replicas.append(torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Tanh(), torch.nn.Linear(7, 3)))
         opts.append(torch.optim.SGD(replicas[-1].parameters(), lr=0.1, momentum=0.5, weight_decay=0.01))
     gens = [torch.Generator().manual_seed(100 + r) for r in range(ranks)]
+    for model, opt in zip(replicas, opts):  # broadcast_optimizer_state's local step
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        opt.zero_grad()
     for _ in range(steps):
         deltas = []
         for model, opt, g in zip(replicas, opts, gens):
@@ -1058,6 +1064,7 @@ def test_adasum_optimizer_steps_locally_and_combines_the_changes():
         opt = hvd.DistributedOptimizer(sgd, model.named_parameters(), op=hvd.Adasum,
                                        backward_passes_per_step=passes)
         assert isinstance(opt, torch.optim.SGD)
+        hvd.broadcast_optimizer_state(opt, root_rank=0)  # a local step first, as in Horovod
         g = torch.Generator().manual_seed(100 + hvd.rank())
         x, y = torch.randn(8, 5, generator=g), torch.randn(8, 3, generator=g)
         if n & (n - 1):  # Horovod's Adasum needs a power of two of ranks
