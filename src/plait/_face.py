@@ -446,6 +446,14 @@ class Face:
         """Whether the backend was built with oneCCL (MPI backend: False)."""
         return bool(self._query("ccl_built", False))
 
+    def sycl_built(self) -> bool:
+        """Whether the backend was built with SYCL (Horovod after 0.28, and Intel's fork; a
+        Horovod without the query, and the MPI backend: False)."""
+        if self._backend_name() == "mpi":
+            return False
+        query = getattr(self._horovod(), "sycl_built", None)
+        return bool(query()) if query is not None else False
+
     def cuda_built(self) -> bool:
         """Whether the backend has CUDA kernels (MPI backend: False; CUDA tensors are
         staged through host memory)."""

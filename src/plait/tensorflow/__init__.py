@@ -60,7 +60,7 @@ __all__ = [
     "is_homogeneous", "is_initialized", "join", "local_rank", "local_rank_op", "local_size",
     "local_size_op", "mpi_built", "mpi_enabled", "mpi_threads_supported", "nccl_built",
     "process_set_included_op", "rank", "rank_op", "reducescatter", "remove_process_set",
-    "rocm_built", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
+    "rocm_built", "sycl_built", "shutdown", "size", "size_op", "start_timeline", "stop_timeline",
 ]
 
 _F = Face("tensorflow")
@@ -71,7 +71,7 @@ cross_rank, cross_size, mpi_threads_supported = _F.cross_rank, _F.cross_size, _F
 mpi_built, gloo_built, nccl_built, ccl_built = _F.mpi_built, _F.gloo_built, _F.nccl_built, _F.ccl_built
 cuda_built, rocm_built, ddl_built, is_homogeneous = (_F.cuda_built, _F.rocm_built, _F.ddl_built,
                                                      _F.is_homogeneous)
-mpi_enabled, gloo_enabled = _F.mpi_enabled, _F.gloo_enabled
+mpi_enabled, gloo_enabled, sycl_built = _F.mpi_enabled, _F.gloo_enabled, _F.sycl_built
 join, start_timeline, stop_timeline = _F.join, _F.start_timeline, _F.stop_timeline
 gpu_available, check_num_rank_power_of_2 = _F.gpu_available, num_rank_is_power_2
 barrier = _F.barrier

@@ -50,7 +50,7 @@ __all__ = [
     "grouped_allreduce_", "grouped_reducescatter", "init", "is_homogeneous", "is_initialized", "join",
     "local_rank", "local_size", "mpi_built", "mpi_enabled", "mpi_threads_supported",
     "nccl_built", "poll", "rank", "reducescatter", "reducescatter_async", "remove_process_set",
-    "rocm_built", "shutdown", "size", "start_timeline", "stop_timeline", "synchronize",
+    "rocm_built", "sycl_built", "shutdown", "size", "start_timeline", "stop_timeline", "synchronize",
 ]
 
 __all__ += ["SyncBatchNorm", "sparse_allreduce_async"]
@@ -63,7 +63,7 @@ cross_rank, cross_size, mpi_threads_supported = _F.cross_rank, _F.cross_size, _F
 mpi_built, gloo_built, nccl_built, ccl_built = _F.mpi_built, _F.gloo_built, _F.nccl_built, _F.ccl_built
 cuda_built, rocm_built, ddl_built, is_homogeneous = (_F.cuda_built, _F.rocm_built, _F.ddl_built,
                                                      _F.is_homogeneous)
-mpi_enabled, gloo_enabled = _F.mpi_enabled, _F.gloo_enabled
+mpi_enabled, gloo_enabled, sycl_built = _F.mpi_enabled, _F.gloo_enabled, _F.sycl_built
 join, start_timeline, stop_timeline = _F.join, _F.start_timeline, _F.stop_timeline
 allreduce_async = _F.allreduce_async
 allgather_async, broadcast_async = _F.allgather_async, _F.broadcast_async
