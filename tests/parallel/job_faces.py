@@ -262,22 +262,30 @@ def test_keras_and_tf_faces_take_horovods_arguments():
         htf.DistributedGradientTape(tf.GradientTape(), backward_passes_per_step=2)
 
 
+class _SameAfterEachBatch(keras.callbacks.Callback):
+    """Checks after every batch that the model's weights are equal on every rank, and keeps
+    them (flat) in ``seen``."""
+
+    def __init__(self, seen: list[np.ndarray]) -> None:
+        super().__init__()
+        self.seen = seen
+
+    def on_train_batch_end(self, batch, logs=None):
+        flat = np.concatenate([w.ravel() for w in self.model.get_weights()])
+        _same_everywhere(flat)
+        self.seen.append(flat)
+
+
 def test_keras_face_gradient_accumulation_in_fit():
     keras.utils.set_random_seed(hk.rank())
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
     opt = hk.DistributedOptimizer(keras.optimizers.SGD(0.1), backward_passes_per_step=2)
     model.compile(optimizer=opt, loss="mse")
     x = np.random.default_rng(hk.rank()).normal(size=(16, 4)).astype(np.float32)
-    seen = []
-
-    class Check(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            flat = np.concatenate([w.ravel() for w in self.model.get_weights()])
-            _same_everywhere(flat)
-            seen.append(flat)
+    seen: list[np.ndarray] = []
 
     model.fit(x, x[:, :2], batch_size=4, epochs=1, verbose=0, shuffle=False,
-              callbacks=[hk.callbacks.BroadcastGlobalVariablesCallback(0), Check()])
+              callbacks=[hk.callbacks.BroadcastGlobalVariablesCallback(0), _SameAfterEachBatch(seen)])
     assert int(opt.iterations) == 2 and len(seen) == 4
     # applied after the 2nd and 4th batch only
     assert not np.array_equal(seen[0], seen[1]) and np.array_equal(seen[1], seen[2])
@@ -292,16 +300,10 @@ def test_keras_broadcast_callback_on_a_model_built_by_its_first_batch():
     model = keras.Sequential([keras.layers.Dense(3, activation="tanh"), keras.layers.Dense(2)])
     model.compile(optimizer=hk.DistributedOptimizer(keras.optimizers.Adam(0.01)), loss="mse")
     x = np.random.default_rng(hk.rank()).normal(size=(12, 4)).astype(np.float32)
-    seen = []
-
-    class Check(keras.callbacks.Callback):
-        def on_train_batch_end(self, batch, logs=None):
-            flat = np.concatenate([w.ravel() for w in self.model.get_weights()])
-            _same_everywhere(flat)
-            seen.append(flat)
+    seen: list[np.ndarray] = []
 
     model.fit(x, x[:, :2], batch_size=4, epochs=1, verbose=0, shuffle=False,
-              callbacks=[hk.callbacks.BroadcastGlobalVariablesCallback(0), Check()])
+              callbacks=[hk.callbacks.BroadcastGlobalVariablesCallback(0), _SameAfterEachBatch(seen)])
     assert len(seen) == 3
     _same_everywhere(np.concatenate([np.ravel(v) for v in model.optimizer.variables]))
 
