@@ -22,7 +22,8 @@ from .errors import ConfigError, invalid
 from .protocols import Communicator, Handle
 
 __all__ = [
-    "Adasum", "Average", "Face", "Max", "Min", "Product", "Sum", "check_groups", "elastic_attribute",
+    "Adasum", "Average", "Face", "Max", "Min", "Product", "Sum", "check_groups", "check_predivide",
+    "elastic_attribute",
     "elastic_module",
     "Done", "MappedHandle", "gradient_compression", "keep_shape", "num_rank_is_power_2",
     "reduce_tensor", "resolve_op", "scale", "split_list",
@@ -122,6 +123,25 @@ def gradient_compression(compression: Any, memory: Any) -> tuple[Any, Any]:
 
     compressor, memory = check_settings(to_plait(compression), memory)
     return (None if isinstance(compressor, NoneCompressor) else compressor), memory
+
+
+def check_predivide(factor: float, op: str) -> None:
+    """Refuse Horovod's ``gradient_predivide_factor`` with an op it does not split.
+
+    As in Horovod's optimizers and tapes: the factor divides the gradients before the
+    sum and multiplies them after it, which only an Average takes apart.
+
+    Args:
+        factor: the ``gradient_predivide_factor``.
+        op: the reduction op.
+
+    Raises:
+        ConfigError: (a ``ValueError``, as Horovod's) for a factor other than 1 with an op
+            other than Average.
+    """
+    if factor != 1.0 and op != Average:
+        raise invalid("gradient_predivide_factor", factor,
+                      f"1.0 with op={op!r} (it splits an Average only)")
 
 
 def check_groups(groups: Any, num_groups: int) -> None:

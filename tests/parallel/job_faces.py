@@ -945,6 +945,14 @@ def test_tf_face_errors_util_and_global_variables_as_horovod():
     assert htf.util._executing_eagerly()
     with pytest.raises(RuntimeError, match="eager"):
         htf.broadcast_global_variables(0)
+    for bad in (lambda: htf.DistributedGradientTape(tf.GradientTape(), op=htf.Sum,
+                                                    gradient_predivide_factor=2.0),
+                lambda: htf.DistributedOptimizer(keras.optimizers.SGD(), op=htf.Sum,
+                                                 gradient_predivide_factor=2.0),
+                lambda: htf.DistributedOptimizer(tf.compat.v1.train.GradientDescentOptimizer(0.1),
+                                                 op=htf.Sum, gradient_predivide_factor=0.5)):
+        with pytest.raises(ValueError, match="gradient_predivide_factor"):  # as Horovod
+            bad()
     with tf.Graph().as_default():
         assert not htf.util._executing_eagerly()
         v = tf.compat.v1.Variable(float(htf.rank() + 1))

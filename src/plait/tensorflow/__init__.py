@@ -22,6 +22,7 @@ from .._face import (
     Product,
     Sum,
     check_groups,
+    check_predivide,
     elastic_attribute,
     gradient_compression,
     keep_shape,
@@ -552,9 +553,11 @@ def DistributedGradientTape(  # noqa: N802 - Horovod's name
         The distributed tape.
 
     Raises:
-        ConfigError: for bad groups or factor, a memory without a compressor, or a
+        ConfigError: for bad groups or factor (a factor other than 1 with an op other
+            than Average, as in Horovod), a memory without a compressor, or a
             ``gradtape`` that is not a ``tf.GradientTape``.
     """
+    check_predivide(gradient_predivide_factor, op)
     check_groups(groups, num_groups)
     compressor, memory = gradient_compression(compression, memory)
     if outside(process_set):
@@ -690,9 +693,11 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
         The distributed Keras optimizer.
 
     Raises:
-        ConfigError: as :func:`plait.keras.DistributedOptimizer`.
+        ConfigError: a ``gradient_predivide_factor`` other than 1 with an op other than
+            Average (as in Horovod), else as :func:`plait.keras.DistributedOptimizer`.
     """
     from plait.adapters.tensorflow import is_legacy_optimizer
+    check_predivide(gradient_predivide_factor, op)
 
     if is_legacy_optimizer(optimizer):
         return _legacy_distributed_optimizer(

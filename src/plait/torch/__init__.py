@@ -26,6 +26,7 @@ from .._face import (
     Product,
     Sum,
     check_groups,
+    check_predivide,
     elastic_attribute,
     gradient_compression,
     reduce_tensor,
@@ -459,9 +460,7 @@ def DistributedOptimizer(  # noqa: N802 - Horovod's name
     """
     named = _checked_names(optimizer, named_parameters)
     check_groups(groups, num_groups)
-    if gradient_predivide_factor != 1.0 and op != Average:
-        raise invalid("gradient_predivide_factor", gradient_predivide_factor,
-                      f"1.0 with op={op!r} (it splits an Average only)")
+    check_predivide(gradient_predivide_factor, op)
     compressor, memory = gradient_compression(compression, memory)
     if op == Adasum and _F.comm(None).size > 1:
         if process_set is not None and process_set is not global_process_set:
