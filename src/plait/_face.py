@@ -23,8 +23,7 @@ from .protocols import Communicator, Handle
 
 __all__ = [
     "Adasum", "Average", "Face", "Max", "Min", "Product", "Sum", "check_groups", "check_predivide",
-    "elastic_attribute",
-    "elastic_module",
+    "elastic_attribute", "elastic_module",
     "Done", "MappedHandle", "gradient_compression", "keep_shape", "num_rank_is_power_2",
     "reduce_tensor", "resolve_op", "scale", "split_list",
 ]
