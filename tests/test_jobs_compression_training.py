@@ -1,5 +1,5 @@
-"""Training with every compressor x framework x backend under mpirun -np 2
-(tests/parallel/job_compression_training.py): accuracy within 2 points of
+"""Training with every compressor x framework (each cell on one backend, the backends taking
+turns) under mpirun -np 2 (tests/parallel/job_compression_training.py): accuracy within 2 points of
 uncompressed training, identical replicas, wire bytes that reflect the compression.
 """
 
