@@ -278,20 +278,25 @@ def test_bad_arguments_name_the_value(comm, efw):
 
 
 def test_missing_rank_times_out_instead_of_hanging(comm):
-    """Rank 1 is busy (sleeping) while the others wait in a barrier: they time out, and
-    on the MPI backend the message names rank 1 as the one that did not arrive."""
+    """Rank 1 is busy (waiting elsewhere) while the others wait in a barrier: they time out,
+    and on the MPI backend the message names rank 1 as the one that did not arrive."""
     sub = comm.split(0, comm.rank)
+    elsewhere = comm.split(0, comm.rank)  # rank 1 waits here until the others have given up
     sub.timeout = 1.0
     if sub.rank != 1:
         start = time.monotonic()
-        with pytest.raises(CollectiveTimeoutError, match="waited 1s") as info:
-            sub.barrier()
-        assert time.monotonic() - start < 30
+        try:
+            with pytest.raises(CollectiveTimeoutError, match="waited 1s") as info:
+                sub.barrier()
+        finally:
+            elapsed = time.monotonic() - start
+            elsewhere.barrier()
+        assert elapsed < 30
         if comm.backend == "mpi":
             text = str(info.value)
             assert "barrier()" in text and "rank 1 did not arrive" in text, text
     else:
-        time.sleep(4.0)
+        elsewhere.barrier()
         sub.timeout = 60.0  # its own wait is not under test (slow on a loaded machine)
         sub.barrier()  # completes the barrier the others gave up on
     comm.barrier()  # nobody leaves (and shuts its backend down) while another still waits
