@@ -13,7 +13,8 @@ starts one rank per host from inside the first one. Targets (reported, not
 asserted): top-k 1% with error feedback and PowerSGD rank 4 each >= 4x faster
 per step than uncompressed, accuracy within 1 point.
 
-    python benchmarks/compression.py [--quick|--smoke] [--out BASE] [--rate 1gbit] [--steps N] [--only ROWS]
+    python benchmarks/compression.py [--quick|--smoke] [--out BASE] [--rate 1gbit] [--steps N]
+                                     [--batch N] [--only ROWS]
 """
 
 from __future__ import annotations
@@ -30,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import ROOT, load_note, md_table, meta, mpi_env, parse_args, versions, write_results  # noqa: E402
 
 SIZES = (64, 4096, 2560, 10)
-BATCH = 64  # per rank
+BATCH = 64  # per rank (default of --batch)
+TRAIN = 1437  # training samples of digits' 1797 (the rest: the test set)
 LR, MOMENTUM = 0.02, 0.9
 SUBNET = "10.79.0"
 TX = "/sys/class/net/eth0/statistics/tx_bytes"
@@ -94,24 +96,24 @@ def _data() -> tuple[Any, Any, Any, Any]:
     order = np.random.default_rng(0).permutation(len(x))
     x = torch.tensor(x[order] / 16.0, dtype=torch.float32)
     y = torch.tensor(y[order])
-    return x[:1437], y[:1437], x[1437:], y[1437:]
+    return x[:TRAIN], y[:TRAIN], x[TRAIN:], y[TRAIN:]
 
 
 def _timed(batch: Callable[[Any], Any], step: Callable[[Any], None], n: int, rank: int, size: int,
-           steps: int, warmup: int, accuracy: Callable[[], float]) -> dict[str, Any]:
-    """Run ``step(batch(rows))`` ``steps`` times, ``rows`` this rank's part of the epoch's
-    shuffled order of ``n`` samples; time (``step`` only) and count bytes for the steps after
-    ``warmup``, then take ``accuracy()``."""
+           steps: int, warmup: int, accuracy: Callable[[], float], per_rank: int) -> dict[str, Any]:
+    """Run ``step(batch(rows))`` ``steps`` times, ``rows`` this rank's ``per_rank`` samples of
+    the epoch's shuffled order of ``n``; time (``step`` only) and count bytes for the steps
+    after ``warmup``, then take ``accuracy()``."""
     import numpy as np
 
-    per_epoch = n // (BATCH * size)
+    per_epoch = n // (per_rank * size)
     times, tx0 = [], 0
     for i in range(steps):
         if i == warmup:
             tx0 = _tx()
         perm = np.random.default_rng(10 + i // per_epoch).permutation(n)
         s = i % per_epoch
-        prepared = batch(perm[s * BATCH * size : (s + 1) * BATCH * size][rank::size])
+        prepared = batch(perm[s * per_rank * size : (s + 1) * per_rank * size][rank::size])
         t0 = time.perf_counter()
         step(prepared)
         if i >= warmup:
@@ -122,8 +124,10 @@ def _timed(batch: Callable[[Any], Any], step: Callable[[Any], None], n: int, ran
             "timed_steps": len(times)}
 
 
-def _train(model: Any, opt: Any, rank: int, size: int, steps: int, warmup: int) -> dict[str, Any]:
-    """Train ``steps`` steps; time and count bytes for the steps after ``warmup``."""
+def _train(model: Any, opt: Any, rank: int, size: int, steps: int, warmup: int,
+           per_rank: int) -> dict[str, Any]:
+    """Train ``steps`` steps of ``per_rank`` samples a rank; time and count bytes for the
+    steps after ``warmup``."""
     import torch
 
     x, y, xt, yt = _data()
@@ -138,11 +142,11 @@ def _train(model: Any, opt: Any, rank: int, size: int, steps: int, warmup: int) 
         with torch.no_grad():
             return float((model(xt).argmax(1) == yt).float().mean()) * 100
 
-    return _timed(torch.from_numpy, step, len(x), rank, size, steps, warmup, accuracy)
+    return _timed(torch.from_numpy, step, len(x), rank, size, steps, warmup, accuracy, per_rank)
 
 
 def _keras_train(comm: Any, compressor: Any, memory: Any, steps: int, warmup: int,
-                 graph: bool, stats: Any) -> dict[str, Any]:
+                 graph: bool, stats: Any, per_rank: int) -> dict[str, Any]:
     """:func:`_train` in Keras 3: the same layers, data order and SGD. With ``graph`` the
     whole step is one ``tf.function`` (``DistributedGradientTape`` inside; ``stats`` gets
     one step closed per call, as the eager reducer closes them); otherwise the gradients
@@ -190,11 +194,11 @@ def _keras_train(comm: Any, compressor: Any, memory: Any, steps: int, warmup: in
 
     return _timed(lambda rows: (tf.constant(x[rows]), tf.constant(y[rows])),
                   lambda xy: (whole_step if graph else step)(*xy), len(x), comm.rank, comm.size, steps,
-                  warmup, lambda: float((np.argmax(model(xt).numpy(), 1) == yt).mean()) * 100)
+                  warmup, lambda: float((np.argmax(model(xt).numpy(), 1) == yt).mean()) * 100, per_rank)
 
 
 def _keras_rows(comm: Any, names: tuple[str, ...], steps: int, warmup: int,
-                rows: list[dict[str, Any]]) -> None:
+                rows: list[dict[str, Any]], per_rank: int) -> None:
     """The Keras rows (TensorFlow imported only when one is asked for; one thread per rank,
     as torch has)."""
     if not names:
@@ -211,7 +215,7 @@ def _keras_rows(comm: Any, names: tuple[str, ...], steps: int, warmup: int,
         stats = pc.WireStats()
         compressor.count_into(stats)
         row = _keras_train(comm, compressor, pc.Residual() if ef else None, steps, warmup,
-                           graph="tf.function" in name, stats=stats)
+                           graph="tf.function" in name, stats=stats, per_rank=per_rank)
         # WireStats count eager collectives and the host ops of lossy compressors in graphs
         counted = "tf.function" not in name or ef
         row.update(name=name, kind="plait keras", compressor=expr,
@@ -220,7 +224,7 @@ def _keras_rows(comm: Any, names: tuple[str, ...], steps: int, warmup: int,
         _report(comm, row, rows)
 
 
-def _alone(comm: Any, steps: int, warmup: int) -> dict[str, float]:
+def _alone(comm: Any, steps: int, warmup: int, per_rank: int) -> dict[str, float]:
     """The uncompressed step's two parts apart, the slowest rank's seconds: forward, backward
     and the SGD step without communication (``compute_s``), and one allreduce of all the
     gradients at once with nothing else running, float32 and float16 (``allreduce_float32_s``,
@@ -230,7 +234,7 @@ def _alone(comm: Any, steps: int, warmup: int) -> dict[str, float]:
 
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
-    out = {"compute_s": _train(model, opt, comm.rank, comm.size, steps, warmup)["step_s"]}
+    out = {"compute_s": _train(model, opt, comm.rank, comm.size, steps, warmup, per_rank)["step_s"]}
     n = sum(p.numel() for p in model.parameters())
     for dtype in ("float32", "float16"):
         flat = torch.zeros(n, dtype=getattr(torch, dtype))
@@ -261,7 +265,7 @@ def _worker(args: Any) -> None:
     names = QUICK if args.quick else tuple(PLAIT)
     if args.only:
         names = tuple(n for n in PLAIT if n == "none" or n in args.only.split(","))  # none: the baseline
-    alone = _alone(comm, steps, warmup)
+    alone = _alone(comm, steps, warmup, args.batch)
     if comm.rank == 0:
         print(f"alone: compute {alone['compute_s'] * 1e3:.1f} ms, allreduce of all gradients "
               f"{alone['allreduce_float32_s'] * 1e3:.1f} ms (float16 "
@@ -276,7 +280,7 @@ def _worker(args: Any) -> None:
         opt = distributed_optimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM), comm,
                                     model.named_parameters(), compression=compressor,
                                     memory=pc.Residual() if ef else None)
-        row = _train(model, opt, comm.rank, comm.size, steps, warmup)
+        row = _train(model, opt, comm.rank, comm.size, steps, warmup, args.batch)
         # the optimizer's gradient reducer closes one WireStats step per optimizer step
         row.update(name=name, kind="plait", compressor=expr.replace("RANK", "rank"),
                    wire_bytes_per_step=stats.last_step.sent, raw_bytes_per_step=stats.last_step.raw)
@@ -284,7 +288,7 @@ def _worker(args: Any) -> None:
     keras_rows = () if args.quick else tuple(KERAS)
     if args.only:
         keras_rows = tuple(n for n in KERAS if n in args.only.split(","))
-    _keras_rows(comm, keras_rows, steps, warmup, rows)
+    _keras_rows(comm, keras_rows, steps, warmup, rows, args.batch)
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -307,7 +311,7 @@ def _worker(args: Any) -> None:
                                                 start_powerSGD_iter=2)
             ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         opt = torch.optim.SGD(ddp.parameters(), lr=LR, momentum=MOMENTUM)
-        row = _train(ddp, opt, comm.rank, comm.size, steps, warmup)
+        row = _train(ddp, opt, comm.rank, comm.size, steps, warmup, args.batch)
         row.update(name=name, kind="torch DDP (gloo)", compressor=name[4:], wire_bytes_per_step=None,
                    raw_bytes_per_step=None)
         _report(comm, row, rows)
@@ -378,7 +382,7 @@ def _write(args: Any, rows: list[dict[str, Any]], steps: int, warmup: int, size:
                            f"-> target (>= 4x, within 1 point) {'met' if ok else 'NOT met'}")
     md = (f"# Gradient compression over a {args.rate} link (2 emulated hosts)\n\n"
           f"MLP {' -> '.join(map(str, SIZES))} ({params / 1e6:.1f}M parameters, "
-          f"{params * 4 / 2**20:.1f} MiB of float32 gradients), digits, batch {BATCH} per rank, "
+          f"{params * 4 / 2**20:.1f} MiB of float32 gradients), digits, batch {args.batch} per rank, "
           f"{size} ranks (one per host), SGD lr {LR} momentum {MOMENTUM}, {steps} steps "
           f"(median step time over the last {steps - warmup}). plait rows: MPI backend, "
           "`distributed_optimizer(compression=, memory=)`; plait keras rows: the same layers in Keras 3, "
@@ -392,8 +396,8 @@ def _write(args: Any, rows: list[dict[str, Any]], steps: int, warmup: int, size:
                       "tx MiB/step", "accuracy %", "vs uncompressed"], table)
           + "\n" + "\n".join(targets) + "\n" + _overlap(rows, alone))
     write_results(args.out, "compression", rows, md,
-                  meta=meta(quick=args.quick, rate=args.rate, params=params, steps=steps, warmup=warmup,
-                            versions=versions(), alone=alone))
+                  meta=meta(quick=args.quick, rate=args.rate, batch=args.batch, params=params, steps=steps,
+                            warmup=warmup, versions=versions(), alone=alone))
 
 
 # -- outside: the link and the job ------------------------------------------------------------------
@@ -419,7 +423,8 @@ def _outer(args: Any) -> int:
                               "PYTHONUNBUFFERED", "TF_CPP_MIN_LOG_LEVEL", "GLOO_SOCKET_IFNAME")
                   for a in ("-x", v)],
                 sys.executable, str(Path(__file__).resolve()), "--worker", "1", "--out", args.out,
-                "--rate", args.rate, "--steps", str(args.steps), *(["--quick"] if args.quick else []),
+                "--rate", args.rate, "--steps", str(args.steps), "--batch", str(args.batch),
+                *(["--quick"] if args.quick else []),
                 *(["--only", args.only] if args.only else [])]
         env["GLOO_SOCKET_IFNAME"] = "eth0"
         proc = hosts.exec(hosts.hosts[0], argv, timeout=args.timeout, env=env, cwd=str(ROOT))
@@ -433,10 +438,17 @@ def main() -> int:
         p.add_argument("--rate", default="1gbit", help="tc rate of each host's link (default 1gbit)")
         p.add_argument("--steps", type=int, default=0,
                        help="training steps per row (default 45, 8 with --quick; 2 are warm-up)")
+        p.add_argument("--batch", type=int, default=BATCH,
+                       help=f"samples per rank and step (default {BATCH}; fewer make a step more "
+                            "bandwidth-bound)")
         p.add_argument("--only", default="",
                        help="comma-separated rows to run besides none (names as in the table, DDP rows too)")
 
     args = parse_args((__doc__ or "").splitlines()[0], extra=extra)
+    if not 1 <= args.batch <= TRAIN // 2:
+        print(f"compression benchmark: --batch {args.batch} is invalid: it takes 1 to {TRAIN // 2} "
+              f"samples per rank (2 ranks share {TRAIN} training samples)", file=sys.stderr)
+        return 2
     if args.smoke and not args.steps:
         args.steps = 3  # every --quick row, one timed step each
     if args.worker:
