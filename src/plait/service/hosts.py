@@ -284,7 +284,8 @@ class HostsBackend:
         return [f"{host}:{self._port()}" for host in ranks]
 
     def _remote(self, host: str, argv: Sequence[str], env: Mapping[str, str]) -> list[str]:
-        assert self.agent is not None
+        if self.agent is None:
+            raise RuntimeError(f"no remote agent (ssh) to start a process on host {host!r}")
         words = ["env", *(f"{k}={v}" for k, v in sorted(env.items())), *argv]
         return [*self.agent, host, shlex.join(words)]
 
