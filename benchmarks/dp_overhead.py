@@ -12,7 +12,9 @@ is an upper bound.
 Two models, batch 32 per rank, SGD, 2 ranks: ``mlp`` (784-2048-1536-10, 6 parameter
 tensors, as in ``dp_step.py``) and ``deep`` (16 layers of 512, 34 tensors: more hooks
 and buckets per step). Both plait backends run in the same job, interleaved repeat by
-repeat.
+repeat, with real Horovod's ``hvd.DistributedOptimizer`` as the reference: its gradient
+hooks and ``synchronize`` timed the same way, its ``allreduce_async_``,
+``grouped_allreduce_async_`` and ``synchronize(handle)`` counted as the communicator's.
 
 Run: ``python benchmarks/dp_overhead.py [--quick] [--out BASE]``.
 """
@@ -33,7 +35,7 @@ from _common import launch, load_note, md_table, meta, parse_args, stats, versio
 
 BATCH = 32
 MODELS = {"mlp": [784, 2048, 1536, 10], "deep": [784] + [512] * 16 + [10]}
-IMPLS = ["plait-mpi", "plait-horovod"]
+IMPLS = ["plait-mpi", "plait-horovod", "horovod"]
 
 
 class Timers:
@@ -88,6 +90,18 @@ def _instrument(timers: Timers) -> None:
                 timers.patch(cls, name, "comm")
     for handle in (base.Done, base.Pending, base.MappedHandle, mpi_wait._Flight):
         timers.patch(handle, "wait", "comm")
+    # real Horovod: its optimizer module's own names for the library's calls
+    from horovod.torch import optimizer as hvd_optim
+
+    for name in ("allreduce_async_", "grouped_allreduce_async_", "synchronize"):
+        setattr(hvd_optim, name, timers.wrap(getattr(hvd_optim, name), "comm"))
+    hvd_make_hook = hvd_optim._DistributedOptimizer._make_hook
+
+    def hvd_hook(self: Any, p: Any) -> Any:
+        return timers.wrap(hvd_make_hook(self, p), "wrapper")
+
+    hvd_optim._DistributedOptimizer._make_hook = hvd_hook  # type: ignore[method-assign]
+    timers.patch(hvd_optim._DistributedOptimizer, "synchronize", "wrapper")
 
 
 def _timer_cost(timers: Timers) -> float:
@@ -103,7 +117,8 @@ def _timer_cost(timers: Timers) -> float:
 
 
 def worker(args: Any) -> dict[str, Any]:
-    """Both backends, both models; results on rank 0."""
+    """Both plait backends and real Horovod, both models; results on rank 0."""
+    import horovod.torch as hvd
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -133,8 +148,12 @@ def worker(args: Any) -> dict[str, Any]:
             for a, b in zip(widths[:-1], widths[1:]):
                 layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
             model = torch.nn.Sequential(*layers[:-1])
-            opt = distributed_optimizer(torch.optim.SGD(model.parameters(), lr=0.01), comms[name],
-                                        model.named_parameters())
+            sgd = torch.optim.SGD(model.parameters(), lr=0.01)
+            if name == "horovod":
+                opt = hvd.DistributedOptimizer(sgd, named_parameters=[
+                    (f"{kind}.{n}", p) for n, p in model.named_parameters()])
+            else:
+                opt = distributed_optimizer(sgd, comms[name], model.named_parameters())
 
             def step(model: Any = model, opt: Any = opt, x: Any = x, y: Any = y) -> None:
                 opt.zero_grad()
@@ -184,9 +203,12 @@ def _markdown(rows: list[dict[str, Any]], m: dict[str, Any]) -> str:
     return (f"## The PyTorch data-parallel wrapper's own Python per step, {m['np']} ranks "
             f"(batch {BATCH} per rank)\n\n"
             f"{m['load_note']}; median (min–max) over {m['repeats']} repeats of {m['steps']} steps, "
-            "the slowest rank's. `wrapper ms` is the time in plait's gradient hooks, bucket "
-            "bookkeeping and `synchronize`, without the communicator's calls and the fused "
-            "copy; it includes the timers' own cost (`timers ms`, "
+            "the slowest rank's. `wrapper ms` is the time in the wrapper's gradient hooks, "
+            "bucket bookkeeping and `synchronize` (plait's; in the `horovod` rows real "
+            "Horovod's `hvd.DistributedOptimizer`, in the same job), without the "
+            "communicator's calls (Horovod's `allreduce_async_`, `grouped_allreduce_async_` "
+            "and `synchronize(handle)`) and plait's fused copy; it includes the timers' own "
+            "cost (`timers ms`, "
             f"{m['timer_us']:.2f} us per timed call), so it is an upper bound.\n\n"
             + md_table(["model", "params / tensors", "impl", "step ms", "wrapper ms",
                         "share of the step", "timers ms"], table) + "\n")

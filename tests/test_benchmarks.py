@@ -141,10 +141,11 @@ def test_dp_step_benchmark_has_every_row(tmp_path):
 
 
 def test_dp_overhead_benchmark_has_every_row(tmp_path: Path) -> None:
-    """The wrapper's own time: both models, both backends, a share of a step that was timed."""
+    """The wrapper's own time: both models, both backends and real Horovod's optimizer, a
+    share of a step that was timed."""
     data = _run("dp_overhead.py", tmp_path / "dpo")
     assert {(r["model"], r["impl"]) for r in data["rows"]} == {
-        (m, i) for m in ("mlp", "deep") for i in ("plait-mpi", "plait-horovod")}
+        (m, i) for m in ("mlp", "deep") for i in ("plait-mpi", "plait-horovod", "horovod")}
     for r in data["rows"]:
         _has_stats(r["step_ms"], 2)
         _has_stats(r["wrapper_ms"], 2)
