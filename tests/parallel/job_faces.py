@@ -535,6 +535,9 @@ def test_alltoall_returns_what_horovod_returns():
     assert trecv.dtype == tf.int32 and trecv.numpy().tolist() == [1] * n
     with pytest.raises(ValueError, match="splits"):
         hvd.alltoall(torch.arange(float(n + 1)))
+    for dtype in (torch.float32, torch.int64):  # Horovod's ValueError, on every rank, no exchange
+        with pytest.raises(ValueError, match="32-bit integer"):
+            hvd.alltoall(torch.arange(float(n)), splits=torch.ones(n, dtype=dtype))
     if hvd.backend() == "horovod":  # the same structure as real horovod.torch
         import horovod.torch as real
 

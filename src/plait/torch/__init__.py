@@ -11,7 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from plait.adapters import torch_adasum, torch_optim
-from plait.adapters.torch import collective_function, grouped_collective_function
+from plait.adapters.torch import OPS, collective_function, grouped_collective_function
 from plait.adapters.torch_sparse import sparse_allreduce_async
 from plait.adapters.torch_syncbn import SyncBatchNorm
 
@@ -152,7 +152,15 @@ def alltoall(tensor: Any, splits: Any = None, name: str | None = None,
              process_set: Any = None) -> Any:
     """Horovod's ``alltoall``: the received tensor, plus the received splits (an int32
     tensor) when ``splits`` is given; without ``splits`` the first dimension is split
-    evenly. Differentiable: the gradient goes back by the reverse alltoall."""
+    evenly. Differentiable: the gradient goes back by the reverse alltoall.
+
+    Raises:
+        ValueError: for ``splits`` given as a tensor of another dtype than int32 (Horovod's
+            error, raised before any communication); a list is taken as it is.
+    """
+    if type(splits).__module__.split(".")[0] == "torch" and OPS.dtype_name(splits) != "int32":
+        raise ValueError(f"alltoall expects splits to contain 32-bit integer elements: got a "
+                         f"tensor of {splits.dtype}; pass torch.int32 splits or a list of ints")
     if not tensor.requires_grad:
         return _F.alltoall(tensor, splits, name, process_set)
     comm = _F.comm(process_set)
