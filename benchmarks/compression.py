@@ -14,7 +14,7 @@ asserted): top-k 1% with error feedback and PowerSGD rank 4 each >= 4x faster
 per step than uncompressed, accuracy within 1 point.
 
     python benchmarks/compression.py [--quick|--smoke] [--out BASE] [--rate 1gbit] [--steps N]
-                                     [--batch N] [--only ROWS]
+                                     [--batch N] [--sizes W,...] [--only ROWS]
 """
 
 from __future__ import annotations
@@ -69,6 +69,23 @@ KERAS = {
 }
 
 
+def _sizes(text: str) -> tuple[int, ...]:
+    """The layer widths of ``--sizes``.
+
+    Raises:
+        ValueError: naming the value and what is valid.
+    """
+    try:
+        sizes = tuple(int(w) for w in text.split(","))
+    except ValueError:
+        sizes = ()
+    if len(sizes) < 2 or sizes[0] != SIZES[0] or sizes[-1] != SIZES[-1] or min(sizes) < 1:
+        raise ValueError(f"--sizes {text!r} is invalid: it takes comma-separated layer widths, "
+                         f"{SIZES[0]} first and {SIZES[-1]} last (digits' features and classes), "
+                         "e.g. 64,1536,1536,10")
+    return sizes
+
+
 # -- on every rank ----------------------------------------------------------------------------------
 def _tx() -> int:
     try:
@@ -77,12 +94,12 @@ def _tx() -> int:
         return -1
 
 
-def _model() -> Any:
+def _model(sizes: tuple[int, ...]) -> Any:
     import torch
 
     torch.manual_seed(0)
     layers: list[Any] = []
-    for a, b in zip(SIZES[:-1], SIZES[1:]):
+    for a, b in zip(sizes[:-1], sizes[1:]):
         layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
     return torch.nn.Sequential(*layers[:-1])
 
@@ -146,7 +163,7 @@ def _train(model: Any, opt: Any, rank: int, size: int, steps: int, warmup: int,
 
 
 def _keras_train(comm: Any, compressor: Any, memory: Any, steps: int, warmup: int,
-                 graph: bool, stats: Any, per_rank: int) -> dict[str, Any]:
+                 graph: bool, stats: Any, per_rank: int, sizes: tuple[int, ...]) -> dict[str, Any]:
     """:func:`_train` in Keras 3: the same layers, data order and SGD. With ``graph`` the
     whole step is one ``tf.function`` (``DistributedGradientTape`` inside; ``stats`` gets
     one step closed per call, as the eager reducer closes them); otherwise the gradients
@@ -158,9 +175,9 @@ def _keras_train(comm: Any, compressor: Any, memory: Any, steps: int, warmup: in
     from plait.adapters.tf_optim import DistributedGradientTape, reduce_gradients
 
     keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((SIZES[0],)),
-                              *[keras.layers.Dense(b, activation="relu") for b in SIZES[1:-1]],
-                              keras.layers.Dense(SIZES[-1])])
+    model = keras.Sequential([keras.Input((sizes[0],)),
+                              *[keras.layers.Dense(b, activation="relu") for b in sizes[1:-1]],
+                              keras.layers.Dense(sizes[-1])])
     opt = keras.optimizers.SGD(LR, momentum=MOMENTUM)
     loss_fn = keras.losses.SparseCategoricalCrossentropy(from_logits=True)
     variables = model.trainable_variables
@@ -198,7 +215,7 @@ def _keras_train(comm: Any, compressor: Any, memory: Any, steps: int, warmup: in
 
 
 def _keras_rows(comm: Any, names: tuple[str, ...], steps: int, warmup: int,
-                rows: list[dict[str, Any]], per_rank: int) -> None:
+                rows: list[dict[str, Any]], per_rank: int, sizes: tuple[int, ...]) -> None:
     """The Keras rows (TensorFlow imported only when one is asked for; one thread per rank,
     as torch has)."""
     if not names:
@@ -215,7 +232,8 @@ def _keras_rows(comm: Any, names: tuple[str, ...], steps: int, warmup: int,
         stats = pc.WireStats()
         compressor.count_into(stats)
         row = _keras_train(comm, compressor, pc.Residual() if ef else None, steps, warmup,
-                           graph="tf.function" in name, stats=stats, per_rank=per_rank)
+                           graph="tf.function" in name, stats=stats, per_rank=per_rank,
+                           sizes=sizes)
         # WireStats count eager collectives and the host ops of lossy compressors in graphs
         counted = "tf.function" not in name or ef
         row.update(name=name, kind="plait keras", compressor=expr,
@@ -224,7 +242,8 @@ def _keras_rows(comm: Any, names: tuple[str, ...], steps: int, warmup: int,
         _report(comm, row, rows)
 
 
-def _alone(comm: Any, steps: int, warmup: int, per_rank: int) -> dict[str, float]:
+def _alone(comm: Any, steps: int, warmup: int, per_rank: int,
+           sizes: tuple[int, ...]) -> dict[str, float]:
     """The uncompressed step's two parts apart, the slowest rank's seconds: forward, backward
     and the SGD step without communication (``compute_s``), and one allreduce of all the
     gradients at once with nothing else running, float32 and float16 (``allreduce_float32_s``,
@@ -232,7 +251,7 @@ def _alone(comm: Any, steps: int, warmup: int, per_rank: int) -> dict[str, float
     import numpy as np
     import torch
 
-    model = _model()
+    model = _model(sizes)
     opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM)
     out = {"compute_s": _train(model, opt, comm.rank, comm.size, steps, warmup, per_rank)["step_s"]}
     n = sum(p.numel() for p in model.parameters())
@@ -265,7 +284,8 @@ def _worker(args: Any) -> None:
     names = QUICK if args.quick else tuple(PLAIT)
     if args.only:
         names = tuple(n for n in PLAIT if n == "none" or n in args.only.split(","))  # none: the baseline
-    alone = _alone(comm, steps, warmup, args.batch)
+    sizes = _sizes(args.sizes)
+    alone = _alone(comm, steps, warmup, args.batch, sizes)
     if comm.rank == 0:
         print(f"alone: compute {alone['compute_s'] * 1e3:.1f} ms, allreduce of all gradients "
               f"{alone['allreduce_float32_s'] * 1e3:.1f} ms (float16 "
@@ -276,7 +296,7 @@ def _worker(args: Any) -> None:
         compressor = eval(expr.replace("RANK", str(comm.rank)), vars(pc))  # noqa: S307 -- our own table
         stats = pc.WireStats()
         compressor.count_into(stats)
-        model = _model()
+        model = _model(sizes)
         opt = distributed_optimizer(torch.optim.SGD(model.parameters(), lr=LR, momentum=MOMENTUM), comm,
                                     model.named_parameters(), compression=compressor,
                                     memory=pc.Residual() if ef else None)
@@ -288,7 +308,7 @@ def _worker(args: Any) -> None:
     keras_rows = () if args.quick else tuple(KERAS)
     if args.only:
         keras_rows = tuple(n for n in KERAS if n in args.only.split(","))
-    _keras_rows(comm, keras_rows, steps, warmup, rows, args.batch)
+    _keras_rows(comm, keras_rows, steps, warmup, rows, args.batch, sizes)
     import torch.distributed as dist
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 
@@ -298,7 +318,7 @@ def _worker(args: Any) -> None:
     if args.only:
         ddp_rows = tuple(n for n in DDP if n in args.only.split(","))
     for name in ddp_rows:
-        model = _model()
+        model = _model(sizes)
         # torch's PowerSGD hook over gloo with several buckets mixes up the buckets' collectives
         # (a size-mismatch abort or a hang, torch 2.13): one bucket for the whole model.
         ddp = torch.nn.parallel.DistributedDataParallel(
@@ -317,7 +337,7 @@ def _worker(args: Any) -> None:
         _report(comm, row, rows)
     dist.destroy_process_group()
     if comm.rank == 0:
-        _write(args, rows, steps, warmup, comm.size, alone)
+        _write(args, rows, steps, warmup, comm.size, alone, sizes)
 
 
 def _report(comm: Any, row: dict[str, Any], rows: list[dict[str, Any]]) -> None:
@@ -351,7 +371,7 @@ def _overlap(rows: list[dict[str, Any]], alone: dict[str, float]) -> str:
 
 
 def _write(args: Any, rows: list[dict[str, Any]], steps: int, warmup: int, size: int,
-           alone: dict[str, float]) -> None:
+           alone: dict[str, float], sizes: tuple[int, ...]) -> None:
     base = {r["kind"]: r for r in rows if r["name"] in ("none", "ddp none", "keras none")}
     table = []
     for r in rows:
@@ -365,7 +385,7 @@ def _write(args: Any, rows: list[dict[str, Any]], steps: int, warmup: int, size:
                       "-" if wire is None else f"{r['raw_bytes_per_step'] / max(wire, 1):.0f}x",
                       "-" if r["tx_bytes_per_step"] is None else f"{r['tx_bytes_per_step'] / 2**20:.3f}",
                       f"{r['accuracy']:.1f}", f"{r['accuracy_delta']:+.1f}"])
-    params = sum(a * b + b for a, b in zip(SIZES[:-1], SIZES[1:]))
+    params = sum(a * b + b for a, b in zip(sizes[:-1], sizes[1:]))
     by = {r["name"]: r for r in rows}
     targets = []
     plain = [r for r in rows if r["compressor"] in ("NoneCompressor()", "none")]
@@ -381,7 +401,7 @@ def _write(args: Any, rows: list[dict[str, Any]], steps: int, warmup: int, size:
                            f"own uncompressed row{peer}, accuracy {r['accuracy_delta']:+.1f} points "
                            f"-> target (>= 4x, within 1 point) {'met' if ok else 'NOT met'}")
     md = (f"# Gradient compression over a {args.rate} link (2 emulated hosts)\n\n"
-          f"MLP {' -> '.join(map(str, SIZES))} ({params / 1e6:.1f}M parameters, "
+          f"MLP {' -> '.join(map(str, sizes))} ({params / 1e6:.1f}M parameters, "
           f"{params * 4 / 2**20:.1f} MiB of float32 gradients), digits, batch {args.batch} per rank, "
           f"{size} ranks (one per host), SGD lr {LR} momentum {MOMENTUM}, {steps} steps "
           f"(median step time over the last {steps - warmup}). plait rows: MPI backend, "
@@ -396,7 +416,8 @@ def _write(args: Any, rows: list[dict[str, Any]], steps: int, warmup: int, size:
                       "tx MiB/step", "accuracy %", "vs uncompressed"], table)
           + "\n" + "\n".join(targets) + "\n" + _overlap(rows, alone))
     write_results(args.out, "compression", rows, md,
-                  meta=meta(quick=args.quick, rate=args.rate, batch=args.batch, params=params, steps=steps,
+                  meta=meta(quick=args.quick, rate=args.rate, batch=args.batch, params=params,
+                            sizes=list(sizes), steps=steps,
                             warmup=warmup, versions=versions(), alone=alone))
 
 
@@ -424,6 +445,7 @@ def _outer(args: Any) -> int:
                   for a in ("-x", v)],
                 sys.executable, str(Path(__file__).resolve()), "--worker", "1", "--out", args.out,
                 "--rate", args.rate, "--steps", str(args.steps), "--batch", str(args.batch),
+                "--sizes", args.sizes,
                 *(["--quick"] if args.quick else []),
                 *(["--only", args.only] if args.only else [])]
         env["GLOO_SOCKET_IFNAME"] = "eth0"
@@ -441,6 +463,9 @@ def main() -> int:
         p.add_argument("--batch", type=int, default=BATCH,
                        help=f"samples per rank and step (default {BATCH}; fewer make a step more "
                             "bandwidth-bound)")
+        p.add_argument("--sizes", default=",".join(map(str, SIZES)),
+                       help="the MLP's layer widths, comma-separated, 64 first (digits' features) "
+                            f"and 10 last (default {','.join(map(str, SIZES))})")
         p.add_argument("--only", default="",
                        help="comma-separated rows to run besides none (names as in the table, DDP rows too)")
 
@@ -448,6 +473,11 @@ def main() -> int:
     if not 1 <= args.batch <= TRAIN // 2:
         print(f"compression benchmark: --batch {args.batch} is invalid: it takes 1 to {TRAIN // 2} "
               f"samples per rank (2 ranks share {TRAIN} training samples)", file=sys.stderr)
+        return 2
+    try:
+        _sizes(args.sizes)
+    except ValueError as e:
+        print(f"compression benchmark: {e}", file=sys.stderr)
         return 2
     if args.smoke and not args.steps:
         args.steps = 3  # every --quick row, one timed step each
